@@ -1,0 +1,1 @@
+"""The training application: a plain PyTorch loop in the DeepSpeed engine."""

@@ -1,0 +1,20 @@
+"""`python -m app COMMAND`: train | export."""
+from __future__ import annotations
+
+import sys
+
+from data_tools.errors import run_cli
+
+# command -> (module exposing `add_arguments(parser)` and `run(args) -> int`, help)
+COMMANDS = {
+    "train": ("app.train", "pretrain a model on a dataset directory (start with the deepspeed launcher)"),
+    "export": ("app.export", "write a run's weights, config and tokenizer in Hugging Face format"),
+}
+
+
+def main(argv=None) -> int:
+    return run_cli("python -m app", __doc__, COMMANDS, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data tools: tokenizer training, pretokenization into Megatron .bin/.idx shards, inspection, staging."""

@@ -1,4 +1,4 @@
-"""`python -m app COMMAND`: train | export."""
+"""`python -m app COMMAND`: train | export | demo."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +9,7 @@ from data_tools.errors import run_cli
 COMMANDS = {
     "train": ("app.train", "pretrain a model on a dataset directory (start with the deepspeed launcher)"),
     "export": ("app.export", "write a run's weights, config and tokenizer in Hugging Face format"),
+    "demo": ("app.demo", "the whole pipeline on Python's standard-library sources (the quickstart)"),
 }
 
 

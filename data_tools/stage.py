@@ -1,0 +1,513 @@
+"""`python -m data_tools stage`: copy a dataset to node-local disk, verified, resumable, once a node.
+
+Why: hundreds of nodes reading shards from Lustre/NFS for a whole run contend for it (the paper's
+second lesson). A half-copied or silently corrupted shard costs a day of compute, so:
+
+- Every byte is read once from the source and hashed as it streams through (the hash of the
+  buffer that is written), then compared with the checksum in the source `dataset.json`.
+- Files are written as `.NAME.partial`, fsynced, then renamed. An interrupted copy resumes from the
+  partial's length (the part already there is re-hashed); if the result does not verify, that file
+  is copied once more from the start before the source is blamed.
+- `dst/dataset.json` (a byte copy of the source's) is written last: its presence means complete.
+- `dst/.stage.lock` (an OS file lock) lets every local rank call this at once: one copies, the
+  others wait, then find the complete copy.
+- `dst/.stage-state.json` records (bytes, mtime_ns, checksum) of each file verified, so a second
+  run on a complete destination only stats the files (`verify_existing` re-hashes them instead).
+  A destination file with no record (copied by other means) is hashed and kept if it matches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable
+
+from filelock import FileLock, Timeout
+from tqdm import tqdm
+
+from data_tools.errors import UserError
+from data_tools.manifest import (MANIFEST, TOKENIZER_DIR, dataset_files, file_checksum,
+                                 format_digest, load_manifest, new_hasher)
+
+LOCK_NAME = ".stage.lock"
+STATE_NAME = ".stage-state.json"
+PARTIAL_SUFFIX = ".partial"
+DEFAULT_WORKERS = 4
+BUFFER_BYTES = 16 << 20  # large sequential reads/writes; one buffer per worker thread
+SPACE_MARGIN_BYTES = 1 << 20  # the manifest, the state file and block rounding
+_STATE_SAVE_SECONDS = 2.0  # rewrite the state file at most this often while copying
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file to stage: path relative to the dataset directory, size and expected checksum."""
+
+    rel: str
+    size: int
+    checksum: str
+
+
+@dataclass
+class StageStats:
+    """What a stage did; `copied_bytes == 0` means the destination was already complete."""
+
+    files: int = 0
+    total_bytes: int = 0
+    copied_files: int = 0
+    copied_bytes: int = 0
+    rehashed_files: int = 0
+    reused_files: int = 0
+    waited_for_lock: bool = False
+    seconds: float = 0.0
+
+    def summary(self, dst: Path) -> str:
+        rate = self.copied_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+        return (f"staged {dst}: {self.files} files, {self.total_bytes / 1e6:.1f} MB; "
+                f"copied {self.copied_files} files ({self.copied_bytes} bytes, {rate:.0f} MB/s), "
+                f"re-hashed {self.rehashed_files}, already verified {self.reused_files}; "
+                f"{self.seconds:.2f} s")
+
+
+class _Cancelled(Exception):
+    """Another worker failed or the user interrupted: stop, keeping the partial for a resume."""
+
+
+# ----------------------------------------------------------------------------- what to copy
+
+def _fingerprint(manifest: dict[str, Any]) -> str:
+    """The dataset's identity; manifests without one (foreign) are identified by their splits."""
+    if manifest.get("fingerprint"):
+        return str(manifest["fingerprint"])
+    h = new_hasher()
+    h.update(json.dumps([manifest["splits"], manifest["tokenizer"]], sort_keys=True).encode())
+    return format_digest(h)
+
+
+def _safe_rel(rel: str, where: Path) -> str:
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise UserError(f"{where}: file name {rel!r} is not inside the dataset directory")
+    return str(p)
+
+
+def plan_files(src: Path, manifest: dict[str, Any]) -> list[FileSpec]:
+    """Shards and tokenizer files to copy, from the manifest.
+
+    A manifest without a tokenizer file list (older or foreign) gets the tokenizer directory as it
+    is: its files are hashed here (they are small), and tokenizer.json must match the fingerprint.
+    """
+    where = src / MANIFEST
+    specs = [FileSpec(_safe_rel(rel, where), int(size), str(checksum))
+             for rel, size, checksum in dataset_files(manifest)]
+    tok = manifest["tokenizer"]
+    if not isinstance(tok, dict):
+        raise UserError(f"{where}: key 'tokenizer' is not an object")
+    if not tok.get("files"):
+        tok_dir = src / _safe_rel(tok.get("dir", TOKENIZER_DIR), where)
+        if not tok_dir.is_dir():
+            raise UserError(f"{tok_dir}: tokenizer directory named in {where} is missing")
+        for path in sorted(p for p in tok_dir.rglob("*") if p.is_file()):
+            checksum = file_checksum(path)
+            if path.name == "tokenizer.json" and tok.get("fingerprint") not in (None, checksum):
+                raise UserError(f"{path}: checksum {checksum} does not match the tokenizer "
+                                f"fingerprint {tok['fingerprint']} in {where}")
+            specs.append(FileSpec(path.relative_to(src).as_posix(), path.stat().st_size, checksum))
+    return specs
+
+
+def check_source_sizes(src: Path, specs: list[FileSpec]) -> None:
+    """Refuse a missing or truncated source file before anything is copied."""
+    for spec in specs:
+        path = src / spec.rel
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise UserError(f"{path}: missing (listed in {src / MANIFEST})") from None
+        if size != spec.size:
+            raise UserError(f"{path}: {size} bytes, but {src / MANIFEST} records {spec.size} "
+                            "(truncated or modified source)")
+
+
+def check_free_space(dst: Path, needed_bytes: int, free_bytes: int | None = None) -> None:
+    """Refuse to start a copy that cannot fit, before a byte is written."""
+    if free_bytes is None:
+        free_bytes = shutil.disk_usage(dst).free
+    if needed_bytes + SPACE_MARGIN_BYTES > free_bytes:
+        raise UserError(f"{dst}: not enough free space: the copy needs {needed_bytes / 1e6:.1f} MB "
+                        f"(+{SPACE_MARGIN_BYTES / 1e6:.1f} MB margin), the disk has "
+                        f"{free_bytes / 1e6:.1f} MB free")
+
+
+def partial_path(path: Path) -> Path:
+    """Hidden temporary name: a glob for *.bin never sees a half-copied shard."""
+    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+
+
+# ----------------------------------------------------------------------------- state file
+
+class _State:
+    """dst/.stage-state.json: files verified earlier, so a re-run does not re-hash them."""
+
+    def __init__(self, dst: Path, fingerprint: str):
+        self.path = dst / STATE_NAME
+        self.fingerprint = fingerprint
+        self.files: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._saved_at = 0.0
+
+    def load(self) -> str | None:
+        """Read the records; return the fingerprint they belong to (None: no usable state)."""
+        try:
+            data = json.loads(self.path.read_text())
+            fingerprint, files = str(data["fingerprint"]), dict(data["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # missing or damaged: files are re-hashed instead, nothing is lost
+        if fingerprint == self.fingerprint:
+            self.files = files
+        return fingerprint
+
+    def valid(self, dst: Path, spec: FileSpec) -> bool:
+        rec = self.files.get(spec.rel)
+        if not rec or rec.get("checksum") != spec.checksum or rec.get("bytes") != spec.size:
+            return False
+        try:
+            st = (dst / spec.rel).stat()
+        except OSError:
+            return False
+        return st.st_size == spec.size and st.st_mtime_ns == rec.get("mtime_ns")
+
+    def record(self, dst: Path, spec: FileSpec) -> None:
+        st = (dst / spec.rel).stat()
+        with self._lock:
+            self.files[spec.rel] = {"bytes": spec.size, "mtime_ns": st.st_mtime_ns,
+                                    "checksum": spec.checksum}
+            if time.monotonic() - self._saved_at > _STATE_SAVE_SECONDS:
+                self._save_locked(fsync=False)
+
+    def save(self) -> None:
+        with self._lock:
+            self._save_locked(fsync=True)
+
+    def _save_locked(self, fsync: bool) -> None:
+        data = json.dumps({"fingerprint": self.fingerprint, "files": self.files}).encode()
+        _write_atomic(self.path, data, fsync=fsync)
+        self._saved_at = time.monotonic()
+
+
+def _write_atomic(path: Path, data: bytes, fsync: bool = True) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- copying
+
+class _Copier:
+    """Copies or re-hashes one file at a time; many run in a thread pool (I/O and xxhash release
+    the GIL)."""
+
+    def __init__(self, src: Path, dst: Path, state: _State, bar: tqdm, stop: threading.Event):
+        self.src, self.dst, self.state, self.bar, self.stop = src, dst, state, bar, stop
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.copied_files = self.copied_bytes = self.rehashed_files = 0
+
+    def _buffer(self) -> memoryview:
+        if not hasattr(self._local, "buf"):
+            self._local.buf = memoryview(bytearray(BUFFER_BYTES))
+        return self._local.buf
+
+    def _hash_file(self, f, h, nbytes: int) -> int:
+        """Hash up to `nbytes` from `f`'s current position; return how many there were."""
+        buf, done = self._buffer(), 0
+        while done < nbytes:
+            if self.stop.is_set():
+                raise _Cancelled()
+            n = f.readinto(buf[:min(len(buf), nbytes - done)])
+            if not n:
+                break
+            h.update(buf[:n])
+            done += n
+            self.bar.update(n)
+        return done
+
+    def stage(self, spec: FileSpec) -> None:
+        """Make dst/spec.rel a verified copy: keep a matching existing file, else copy."""
+        target = self.dst / spec.rel
+        if target.is_file() and target.stat().st_size == spec.size:
+            h = new_hasher()
+            with open(target, "rb", buffering=0) as f:
+                self._hash_file(f, h, spec.size)
+            if format_digest(h) == spec.checksum:
+                self.state.record(self.dst, spec)
+                with self._lock:
+                    self.rehashed_files += 1
+                return
+            target.unlink()  # not valid: copied afresh (free-space check counted it as in place)
+            self.bar.total += spec.size
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._copy(spec, target, resume=True)
+
+    def _copy(self, spec: FileSpec, target: Path, resume: bool) -> None:
+        source, part = self.src / spec.rel, partial_path(target)
+        resume = resume and part.is_file() and part.stat().st_size <= spec.size
+        h, buf = new_hasher(), self._buffer()
+        with open(source, "rb", buffering=0) as fin, \
+                open(part, "r+b" if resume else "wb", buffering=0) as fout:
+            if hasattr(os, "posix_fadvise"):  # Linux: larger read-ahead on the shared FS
+                os.posix_fadvise(fin.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            offset = self._hash_file(fout, h, spec.size) if resume else 0
+            fout.truncate(offset)
+            fin.seek(offset)
+            done = offset
+            while done < spec.size:
+                if self.stop.is_set():
+                    raise _Cancelled()
+                n = fin.readinto(buf[:min(len(buf), spec.size - done)])
+                if not n:
+                    raise UserError(f"{source}: ended at byte {done} of {spec.size} while "
+                                    "copying (truncated or modified source)")
+                h.update(buf[:n])  # hash the very buffer that is written
+                view = buf[:n]
+                while view:
+                    view = view[fout.write(view):]
+                done += n
+                self.bar.update(n)
+            os.fsync(fout.fileno())
+        with self._lock:
+            self.copied_bytes += spec.size - offset
+        digest = format_digest(h)
+        if digest != spec.checksum:
+            if offset:  # the resumed part may be what is bad: start over before blaming the source
+                self.bar.total += spec.size
+                return self._copy(spec, target, resume=False)
+            part.unlink(missing_ok=True)
+            raise UserError(f"{source}: checksum {digest} does not match {spec.checksum} recorded "
+                            f"in {self.src / MANIFEST} (corrupt source file)")
+        os.replace(part, target)
+        self.state.record(self.dst, spec)
+        with self._lock:
+            self.copied_files += 1
+
+
+def _run_pool(copier: _Copier, specs: list[FileSpec], workers: int) -> None:
+    """Stage `specs` on `workers` threads; on the first error or Ctrl-C stop the rest cleanly."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stage")
+    try:
+        futures = [pool.submit(copier.stage, s) for s in specs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f.done() and f.exception()
+                  and not isinstance(f.exception(), _Cancelled)]
+        if failed:
+            raise failed[0].exception()
+    except BaseException:
+        copier.stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------- the stage
+
+def _prepare_dst(dst: Path) -> None:
+    if dst.exists() and not dst.is_dir():
+        raise UserError(f"{dst}: destination exists and is not a directory")
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        probe = dst / f".stage-probe.{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{dst}: destination is not writable ({e.strerror})") from None
+
+
+def _is_complete(dst: Path, fingerprint: str, specs: list[FileSpec], state: _State) -> bool:
+    try:
+        dst_manifest = json.loads((dst / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(dst_manifest, dict) and _fingerprint(dst_manifest) == fingerprint
+            and all(state.valid(dst, s) for s in specs))
+
+
+def _remove_other_dataset(dst: Path, fingerprint: str, overwrite: bool) -> None:
+    """Refuse (or with `overwrite` remove) another dataset at dst: only the files it names."""
+    names: list[str] = []
+    other = None
+    if (dst / MANIFEST).exists():
+        try:
+            old = load_manifest(dst)
+        except UserError as e:
+            if not overwrite:
+                raise UserError(f"{e}; pass --overwrite to replace it") from None
+            old = None
+        if old is not None and _fingerprint(old) != fingerprint:
+            other = _fingerprint(old)
+            names = [rel for rel, _, _ in dataset_files(old)]
+            if not old["tokenizer"].get("files"):
+                tok = dst / str(old["tokenizer"].get("dir", TOKENIZER_DIR))
+                names += [p.relative_to(dst).as_posix() for p in tok.rglob("*") if p.is_file()]
+        elif old is None:
+            other = "unreadable"
+    state = _State(dst, fingerprint)
+    if not (dst / MANIFEST).exists():
+        state_fp = state.load()
+        if state_fp not in (None, fingerprint):  # a partial stage of another dataset
+            other = state_fp
+            try:
+                names = list(json.loads(state.path.read_text())["files"])
+            except (OSError, ValueError, KeyError):
+                names = []
+    if other is None:
+        return
+    if not overwrite:
+        raise UserError(f"{dst}: holds another dataset (fingerprint {other}, not {fingerprint}); "
+                        "pass --overwrite to replace it")
+    (dst / MANIFEST).unlink(missing_ok=True)  # first: dst must not look complete meanwhile
+    for rel in names:
+        try:
+            path = dst / _safe_rel(rel, dst / MANIFEST)
+        except UserError:
+            continue
+        path.unlink(missing_ok=True)
+        partial_path(path).unlink(missing_ok=True)
+    state.path.unlink(missing_ok=True)
+
+
+def stage(src: Path, dst: Path, *, workers: int | None = None, overwrite: bool = False,
+          progress: bool = True, verify_existing: bool = False,
+          on_wait: Callable[[], None] | None = None) -> StageStats:
+    """`stage_dataset` returning what it did (the CLI prints it; tests check who copied)."""
+    started = time.monotonic()
+    src, dst = Path(src), Path(dst)
+    workers = DEFAULT_WORKERS if workers is None else workers
+    if workers < 1:
+        raise UserError(f"--workers must be at least 1, not {workers}")
+    manifest = load_manifest(src)
+    manifest_bytes = (src / MANIFEST).read_bytes()
+    if json.loads(manifest_bytes) != manifest:
+        raise UserError(f"{src / MANIFEST}: changed while staging; run the stage again")
+    fingerprint = _fingerprint(manifest)
+    specs = sorted(plan_files(src, manifest), key=lambda s: -s.size)  # big files first
+    stats = StageStats(files=len(specs), total_bytes=sum(s.size for s in specs))
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise UserError(f"{dst}: destination is the source directory")
+    _prepare_dst(dst)
+
+    state = _State(dst, fingerprint)
+    if not verify_existing and state.load() == fingerprint and _is_complete(dst, fingerprint,
+                                                                            specs, state):
+        stats.reused_files, stats.seconds = len(specs), time.monotonic() - started
+        return stats  # complete already: no lock needed to read
+
+    lock = FileLock(str(dst / LOCK_NAME))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        stats.waited_for_lock = True
+        if on_wait:
+            on_wait()
+        lock.acquire()  # released by the OS if its holder dies: a crashed stager never blocks
+    try:
+        _stage_locked(src, dst, manifest_bytes, fingerprint, specs, stats, workers=workers,
+                      overwrite=overwrite, progress=progress, verify_existing=verify_existing)
+    finally:
+        lock.release()
+    stats.seconds = time.monotonic() - started
+    return stats
+
+
+def _stage_locked(src: Path, dst: Path, manifest_bytes: bytes, fingerprint: str,
+                  specs: list[FileSpec], stats: StageStats, *, workers: int, overwrite: bool,
+                  progress: bool, verify_existing: bool) -> None:
+    _remove_other_dataset(dst, fingerprint, overwrite)
+    state = _State(dst, fingerprint)
+    state.load()
+    if verify_existing:
+        state.files = {}
+    elif _is_complete(dst, fingerprint, specs, state):
+        stats.reused_files = len(specs)  # another process finished it while we waited
+        return
+    check_source_sizes(src, specs)
+    (dst / MANIFEST).unlink(missing_ok=True)  # incomplete or being verified: must not look done
+    todo = [s for s in specs if not state.valid(dst, s)]
+    stats.reused_files = len(specs) - len(todo)
+    needed = 0
+    for s in todo:
+        target = dst / s.rel
+        if target.is_file() and target.stat().st_size == s.size:
+            continue  # re-hashed in place; replaced by a same-size copy if it does not match
+        part = partial_path(target)
+        have = part.stat().st_size if part.is_file() else 0
+        needed += s.size - (have if have <= s.size else 0)
+    check_free_space(dst, needed + len(manifest_bytes))
+
+    with tqdm(total=sum(s.size for s in todo), desc=f"stage {dst.name or dst}", unit="B",
+              unit_scale=True, file=sys.stderr, disable=not progress or not todo,
+              mininterval=0.5, dynamic_ncols=True) as bar:
+        copier = _Copier(src, dst, state, bar, threading.Event())
+        try:
+            _run_pool(copier, todo, min(workers, max(1, len(todo))))
+        finally:
+            stats.copied_files, stats.copied_bytes = copier.copied_files, copier.copied_bytes
+            stats.rehashed_files = copier.rehashed_files
+            state.save()
+    for directory in sorted({(dst / s.rel).parent for s in specs}):
+        _fsync_dir(directory)
+    _write_atomic(dst / MANIFEST, manifest_bytes)  # last: now the copy is complete
+    _fsync_dir(dst)
+
+
+def stage_dataset(src: Path, dst: Path, *, workers: int | None = None, overwrite: bool = False,
+                  progress: bool = True) -> Path:
+    """Copy + verify src dataset into dst (idempotent, resumable, lock-protected); return dst."""
+    stage(src, dst, workers=workers, overwrite=overwrite, progress=progress)
+    return Path(dst)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--src", required=True, type=Path, help="dataset directory to copy")
+    parser.add_argument("--dst", required=True, type=Path, help="node-local destination directory")
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+                        help=f"files copied in parallel (default {DEFAULT_WORKERS})")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace another dataset found at --dst (only the files it names)")
+    parser.add_argument("--verify-existing", action="store_true",
+                        help="re-hash files already at --dst instead of trusting the state file")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    def on_wait() -> None:
+        print(f"waiting for another stage into {args.dst} to finish ({LOCK_NAME})",
+              file=sys.stderr, flush=True)
+
+    stats = stage(args.src, args.dst, workers=args.workers, overwrite=args.overwrite,
+                  progress=not args.quiet, verify_existing=args.verify_existing, on_wait=on_wait)
+    if args.json:
+        print(json.dumps({"dst": str(args.dst), **stats.__dict__}))
+    else:
+        print(stats.summary(args.dst))
+    return 0

@@ -1,0 +1,324 @@
+"""TokenWindows and the train/eval loaders over real .bin/.idx shards and dataset.json."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app.data import (DataSpec, TokenWindows, build_eval_loader, build_train_loader,
+                      dataset_stats, default_num_workers)
+from app.masking import IGNORE_INDEX
+from app.order import Permutation
+from data_tools.errors import UserError
+from data_tools.indexed import ShardWriter, token_dtype
+from data_tools.manifest import (FORMAT, FORMAT_VERSION, file_checksum, load_manifest,
+                                 write_manifest)
+
+VOCAB = 500
+PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
+SPECIALS = {PAD, UNK, CLS, SEP, MASK}
+
+
+def write_dataset(root: Path, splits: dict[str, list[list[list[int]]]], *,
+                  mask_token_id: int | None = MASK, cls_token_id: int | None = CLS) -> Path:
+    """A dataset dir as prepare writes it: shards per split (lists of documents) + dataset.json."""
+    root.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(VOCAB)
+    manifest_splits = {}
+    for split, shards in splits.items():
+        entries = []
+        for i, docs in enumerate(shards):
+            name = f"{split}_{i:05d}"
+            w = ShardWriter(root / name, dtype)
+            for doc in docs:
+                w.add_document(doc)
+            w.finalize(fsync=False)
+            entries.append({"name": name, "documents": len(docs), "tokens": w.num_tokens,
+                            "bin_bytes": (root / f"{name}.bin").stat().st_size,
+                            "idx_bytes": (root / f"{name}.idx").stat().st_size,
+                            "bin_checksum": file_checksum(root / f"{name}.bin"),
+                            "idx_checksum": file_checksum(root / f"{name}.idx")})
+        manifest_splits[split] = {"documents": sum(e["documents"] for e in entries),
+                                  "tokens": sum(e["tokens"] for e in entries), "shards": entries}
+    write_manifest(root, {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": str(dtype),
+        "vocab_size": VOCAB, "eod_token_id": SEP, "pad_token_id": PAD,
+        "mask_token_id": mask_token_id, "cls_token_id": cls_token_id,
+        "tokenizer": {"dir": "tokenizer", "fingerprint": "xxh3_128:0", "files": []},
+        "checksum_algorithm": "xxh3_128", "splits": manifest_splits})
+    return root
+
+
+def random_docs(rng: np.random.Generator, count: int, low: int, high: int) -> list[list[int]]:
+    """Documents of words (ids >= 5), each ending with the end-of-document token [SEP]."""
+    return [rng.integers(5, VOCAB, size=int(rng.integers(low, high))).tolist() + [SEP]
+            for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory) -> tuple[Path, list[list[list[int]]]]:
+    """Three train shards, one smaller than a window (so windows straddle shards), a val split."""
+    rng = np.random.default_rng(0)
+    train = [random_docs(rng, 20, 3, 40), random_docs(rng, 1, 4, 5), random_docs(rng, 15, 3, 60)]
+    val = [random_docs(rng, 6, 3, 30)]
+    root = write_dataset(tmp_path_factory.mktemp("data") / "ds", {"train": train, "val": val})
+    return root, train
+
+
+def flat_tokens(shards: list[list[list[int]]]) -> np.ndarray:
+    return np.array([t for docs in shards for d in docs for t in d], dtype=np.int64)
+
+
+def spec(root: Path, **kw) -> DataSpec:
+    args = {"dataset_dir": root, "split": "train", "seq_len": 16, "objective": "clm", "seed": 3}
+    args.update(kw)
+    return DataSpec(**args)
+
+
+def originals(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The unmasked token ids of an MLM batch."""
+    return torch.where(batch["labels"] != IGNORE_INDEX, batch["labels"], batch["input_ids"])
+
+
+def take_batches(loader, count: int) -> list[dict[str, torch.Tensor]]:
+    return list(itertools.islice(iter(loader), count))
+
+
+# -- samples ------------------------------------------------------------------------------------
+
+
+def test_concat_epoch_reads_every_window_once_across_shards(small_dataset):
+    root, train = small_dataset
+    ds = TokenWindows(spec(root))
+    stream = flat_tokens(train)
+    assert len(ds) == ds.num_samples == stream.size // 16
+    seen = []
+    for p in range(len(ds)):
+        item = ds[p]
+        w = ds.sample_index(p)
+        seen.append(w)
+        assert item["input_ids"].dtype == torch.int64
+        assert item["input_ids"].tolist() == stream[w * 16:(w + 1) * 16].tolist()
+        assert torch.equal(item["labels"], item["input_ids"])  # CLM: the model shifts
+        assert item["attention_mask"].tolist() == [1] * 16
+    assert sorted(seen) == list(range(len(ds)))
+    assert seen != sorted(seen)  # shuffled
+
+
+def test_epoch_crossing_uses_the_next_epochs_permutation(small_dataset):
+    root, _ = small_dataset
+    ds = TokenWindows(spec(root))
+    n = len(ds)
+    epoch1 = [ds.sample_index(n + k) for k in range(n)]
+    assert epoch1 == Permutation(n, 3, 1).take(np.arange(n)).tolist()
+    assert epoch1 != [ds.sample_index(k) for k in range(n)]
+    assert ds.sample_index(5 * n + 2) == Permutation(n, 3, 5)(2)
+
+
+def test_mlm_concat_masks_are_a_function_of_seed_and_position(small_dataset):
+    root, train = small_dataset
+    a = TokenWindows(spec(root, objective="mlm"))
+    b = TokenWindows(spec(root, objective="mlm"))
+    stream = flat_tokens(train)
+    n = len(a)
+    for p in [0, 1, n - 1, n, 3 * n + 1]:
+        x, y = a[p], b[p]
+        assert all(torch.equal(x[k], y[k]) for k in x)
+        w = a.sample_index(p)
+        original = stream[w * 16:(w + 1) * 16]
+        sel = (x["labels"] != IGNORE_INDEX).numpy()
+        assert sel.any()
+        assert np.array_equal(x["labels"].numpy()[sel], original[sel])
+        assert np.array_equal(x["input_ids"].numpy()[~sel], original[~sel])
+        assert not np.isin(original[sel], list(SPECIALS)).any()
+    # the same window in another epoch is masked afresh (dynamic masking)
+    k = next(k for k in range(n) if a.sample_index(n + k) == a.sample_index(0))
+    assert not torch.equal(a[0]["labels"], a[n + k]["labels"])
+    # another seed: another order or other masks
+    c = TokenWindows(spec(root, objective="mlm", seed=4))
+    assert any(not torch.equal(a[p]["labels"], c[p]["labels"]) for p in range(4))
+
+
+def test_doc_packing_clm_truncates_and_pads(small_dataset):
+    root, train = small_dataset
+    ds = TokenWindows(spec(root, packing="doc", seq_len=24))
+    docs = [d for shard in train for d in shard]
+    assert len(ds) == len(docs)
+    for p in range(len(ds)):
+        item = ds[p]
+        doc = docs[ds.sample_index(p)]
+        n = min(len(doc), 24)
+        assert item["input_ids"][:n].tolist() == doc[:n]
+        assert item["input_ids"][n:].tolist() == [PAD] * (24 - n)
+        assert item["attention_mask"].tolist() == [1] * n + [0] * (24 - n)
+        assert item["labels"].tolist() == doc[:n] + [IGNORE_INDEX] * (24 - n)
+
+
+def test_doc_packing_mlm_is_bert_layout(small_dataset):
+    root, train = small_dataset
+    ds = TokenWindows(spec(root, packing="doc", seq_len=24, objective="mlm"))
+    docs = [d for shard in train for d in shard]
+    truncated = 0
+    for p in range(len(ds)):
+        item = ds[p]
+        doc = docs[ds.sample_index(p)]
+        n = min(len(doc) + 1, 24)
+        mask = item["attention_mask"].tolist()
+        assert mask == [1] * n + [0] * (24 - n)
+        labels = item["labels"].numpy()
+        ids = item["input_ids"].numpy()
+        sel = labels != IGNORE_INDEX
+        assert sel[:n].any() and not sel[n:].any() and not sel[0] and not sel[n - 1]
+        original = ids.copy()
+        original[sel] = labels[sel]
+        expected = [CLS] + doc[:n - 1]
+        if len(doc) + 1 > 24:
+            expected[-1] = SEP  # a truncated document still ends with [SEP]
+            truncated += 1
+        assert original[:n].tolist() == expected
+        assert ids[n:].tolist() == [PAD] * (24 - n)
+    assert truncated > 0
+
+
+def test_doc_packing_does_not_double_cls(tmp_path):
+    root = write_dataset(tmp_path / "ds", {"train": [[[CLS, 10, 11, SEP], [12, SEP]]]})
+    ds = TokenWindows(spec(root, packing="doc", seq_len=6, objective="mlm"))
+    rows = {}
+    for p in range(2):
+        item = ds[p]
+        ids, labels = item["input_ids"].numpy(), item["labels"].numpy()
+        ids = np.where(labels != IGNORE_INDEX, labels, ids)
+        rows[ds.sample_index(p)] = ids.tolist()
+    assert rows == {0: [CLS, 10, 11, SEP, PAD, PAD], 1: [CLS, 12, SEP, PAD, PAD, PAD]}
+
+
+# -- loaders ------------------------------------------------------------------------------------
+
+
+def test_train_loader_batches_are_this_ranks_slices(small_dataset):
+    root, _ = small_dataset
+    s = spec(root, objective="mlm")
+    ds = TokenWindows(s)
+    loader = build_train_loader(s, micro_batch=2, global_batch=8, dp_rank=1, dp_size=2,
+                                consumed_samples=0, num_workers=0)
+    batches = take_batches(loader, 6)
+    for i, batch in enumerate(batches):
+        g, m = divmod(i, 2)  # 2 micro batches per rank per global batch
+        positions = [g * 8 + 4 + m * 2, g * 8 + 4 + m * 2 + 1]
+        expected = [ds[p] for p in positions]
+        for key in ("input_ids", "attention_mask", "labels"):
+            assert torch.equal(batch[key], torch.stack([e[key] for e in expected]))
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_ranks_together_read_the_one_rank_stream(small_dataset, dp):
+    root, _ = small_dataset
+    s = spec(root, objective="mlm")
+    gbs, mb, steps = 8, 2, 5  # 40 samples: crosses the epoch boundary (34 windows)
+    one = take_batches(build_train_loader(s, micro_batch=mb, global_batch=gbs, dp_rank=0,
+                                          dp_size=1, consumed_samples=0, num_workers=0),
+                       steps * gbs // mb)
+    one_ids = torch.cat([b["input_ids"] for b in one]).reshape(steps, gbs, -1)
+    per_rank = []
+    for r in range(dp):
+        batches = take_batches(build_train_loader(s, micro_batch=mb, global_batch=gbs,
+                                                  dp_rank=r, dp_size=dp, consumed_samples=0,
+                                                  num_workers=0), steps * gbs // (mb * dp))
+        per_rank.append(torch.cat([b["input_ids"] for b in batches]).reshape(steps, gbs // dp, -1))
+    assert torch.equal(torch.cat(per_rank, dim=1), one_ids)
+
+
+def test_resume_gives_the_tail_of_the_stream_with_any_worker_count(small_dataset):
+    root, _ = small_dataset
+    s = spec(root, objective="mlm")
+    kw = {"micro_batch": 2, "global_batch": 4, "dp_rank": 0, "dp_size": 2}
+    full = take_batches(build_train_loader(s, consumed_samples=0, num_workers=0, **kw), 12)
+    resumed = take_batches(build_train_loader(s, consumed_samples=4 * 5, num_workers=2, **kw), 7)
+    assert len(resumed) == 7
+    for a, b in zip(full[5:], resumed):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_loader_crosses_epochs_seamlessly(small_dataset):
+    root, _ = small_dataset
+    s = spec(root)  # CLM: ids identify windows
+    ds = TokenWindows(s)
+    n = len(ds)  # 34: not a multiple of the global batch 4, so a batch spans the boundary
+    loader = build_train_loader(s, micro_batch=4, global_batch=4, dp_rank=0, dp_size=1,
+                                consumed_samples=0, num_workers=0)
+    rows = torch.cat([b["input_ids"] for b in take_batches(loader, (2 * n) // 4 + 1)])
+    windows = {tuple(ds[p]["input_ids"].tolist()): ds.sample_index(p) for p in range(n)}
+    order = [windows[tuple(r.tolist())] for r in rows]
+    assert sorted(order[:n]) == list(range(n)) and sorted(order[n:2 * n]) == list(range(n))
+    assert order[n:2 * n] != order[:n]
+
+
+def test_eval_loader_is_fixed_and_equal_across_ranks(small_dataset):
+    root, _ = small_dataset
+    s = spec(root, split="val", objective="mlm", seq_len=8)
+    n = TokenWindows(s, eval_order=True).num_samples
+    loaders = [build_eval_loader(s, micro_batch=3, dp_rank=r, dp_size=2, max_samples=None,
+                                 num_workers=0) for r in range(2)]
+    passes = [list(loader) for loader in loaders]
+    assert len(passes[0]) == len(passes[1]) == -(-n // 6)
+    again = list(loaders[0])
+    for a, b in zip(passes[0], again):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = {tuple(r.tolist()) for p in passes for b in p for r in originals(b)}
+    assert len(rows) == n  # every sample once, padding repeats earlier ones
+    few = list(build_eval_loader(s, micro_batch=2, dp_rank=0, dp_size=1, max_samples=3,
+                                 num_workers=0))
+    assert [len(b["input_ids"]) for b in few] == [2, 2]
+    assert torch.equal(few[1]["labels"][1], few[0]["labels"][0])  # wrapped to the start
+
+
+def test_stats_and_default_workers(small_dataset):
+    root, train = small_dataset
+    stats = dataset_stats(spec(root))
+    total = flat_tokens(train).size
+    assert stats["tokens"] == total and stats["num_samples"] == total // 16
+    assert stats["dropped_tail_tokens"] == total % 16 and stats["shards"] == 3
+    assert stats["documents"] == 36
+    assert 0 <= default_num_workers() <= 2 and default_num_workers(10_000) == 0
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_too_small_split_names_dir_split_tokens_and_seq_len(small_dataset):
+    root, _ = small_dataset
+    with pytest.raises(UserError) as e:
+        TokenWindows(spec(root, split="val", seq_len=100_000))
+    msg = str(e.value)
+    assert str(root) in msg and "'val'" in msg and "100000" in msg
+    tokens = load_manifest(root)["splits"]["val"]["tokens"]
+    assert f"{tokens} tokens" in msg
+
+
+def test_bad_inputs_raise_user_errors(small_dataset, tmp_path):
+    root, _ = small_dataset
+    with pytest.raises(UserError, match="no split 'test'"):
+        TokenWindows(spec(root, split="test"))
+    with pytest.raises(UserError, match="objective"):
+        spec(root, objective="t5")
+    with pytest.raises(UserError, match="packing"):
+        spec(root, packing="sentences")
+    with pytest.raises(UserError, match="seq_len"):
+        spec(root, seq_len=1)
+    with pytest.raises(UserError, match="no such dataset"):
+        TokenWindows(spec(tmp_path / "missing"))
+    no_mask = write_dataset(tmp_path / "gpt", {"train": [[[7, 8, 9, SEP]]]}, mask_token_id=None)
+    with pytest.raises(UserError, match="mask_token_id"):
+        TokenWindows(spec(no_mask, objective="mlm", seq_len=2))
+    with pytest.raises(UserError, match="consumed_samples 6"):
+        build_train_loader(spec(root), micro_batch=2, global_batch=4, dp_rank=0, dp_size=1,
+                           consumed_samples=6, num_workers=0)
+    with pytest.raises(UserError, match="rank 2 outside"):
+        build_train_loader(spec(root), micro_batch=2, global_batch=4, dp_rank=2, dp_size=2,
+                           consumed_samples=0, num_workers=0)
+    (no_mask / "train_00000.idx").unlink()
+    with pytest.raises(UserError, match="train_00000.idx: missing"):
+        TokenWindows(spec(no_mask, seq_len=2))

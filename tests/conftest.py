@@ -1,0 +1,81 @@
+"""Shared session fixtures: a real corpus (Python's own stdlib sources), tokenizers trained on it
+through the real CLI, and datasets prepared with them. Small, so the session builds them in
+seconds; tests that change data make their own copies."""
+from __future__ import annotations
+
+import os
+
+# Before anything imports wandb, transformers or tokenizers.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import shutil  # noqa: E402
+import sysconfig  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from data_tools.__main__ import main as data_tools_main  # noqa: E402
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# ~1.6 MB of .py: four packages and some big top-level modules, copied in a fixed order.
+STDLIB_PACKAGES = ("json", "email", "http", "logging")
+STDLIB_MODULES = ("argparse", "dataclasses", "typing", "pathlib", "shutil", "textwrap",
+                  "string", "tarfile", "inspect", "ast", "functools", "enum")
+
+
+def run_data_tools(*argv: str) -> None:
+    """Run `python -m data_tools ...` in-process; a non-zero exit fails the calling fixture."""
+    rc = data_tools_main([str(a) for a in argv])
+    assert rc == 0, f"data_tools {' '.join(map(str, argv))} exited {rc}"
+
+
+@pytest.fixture(scope="session")
+def stdlib_dir(tmp_path_factory) -> Path:
+    """A deterministic subset of the running Python's stdlib sources (read with --include '*.py')."""
+    root = tmp_path_factory.mktemp("stdlib")
+    for pkg in STDLIB_PACKAGES:
+        for src in sorted((STDLIB / pkg).rglob("*.py")):
+            if "__pycache__" in src.parts:
+                continue
+            dst = root / src.relative_to(STDLIB)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    for mod in STDLIB_MODULES:
+        shutil.copyfile(STDLIB / f"{mod}.py", root / f"{mod}.py")
+    return root
+
+
+@pytest.fixture(scope="session")
+def wordpiece_tokenizer(stdlib_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tok") / "wordpiece"
+    run_data_tools("tokenizer", "--input", stdlib_dir, "--include", "*.py", "--out", out,
+                   "--kind", "wordpiece", "--vocab-size", "2000")
+    return out
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(stdlib_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tok") / "bpe"
+    run_data_tools("tokenizer", "--input", stdlib_dir, "--include", "*.py", "--out", out,
+                   "--kind", "bpe", "--vocab-size", "2000")
+    return out
+
+
+@pytest.fixture(scope="session")
+def mlm_dataset(stdlib_dir, wordpiece_tokenizer, tmp_path_factory) -> Path:
+    """WordPiece ids of stdlib_dir, [SEP] after each document, val fraction 0.05."""
+    out = tmp_path_factory.mktemp("data") / "mlm"
+    run_data_tools("prepare", "--input", stdlib_dir, "--include", "*.py",
+                   "--tokenizer", wordpiece_tokenizer, "--out", out, "--val-fraction", "0.05")
+    return out
+
+
+@pytest.fixture(scope="session")
+def clm_dataset(stdlib_dir, bpe_tokenizer, tmp_path_factory) -> Path:
+    """Byte-level BPE ids of stdlib_dir, <|endoftext|> after each document, val fraction 0.05."""
+    out = tmp_path_factory.mktemp("data") / "clm"
+    run_data_tools("prepare", "--input", stdlib_dir, "--include", "*.py",
+                   "--tokenizer", bpe_tokenizer, "--out", out, "--val-fraction", "0.05")
+    return out

@@ -70,7 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class TokenizerInfo:
-    """What prepare needs from a tokenizer directory: its backend, special ids, vocab, kind."""
+    """What prepare needs from a tokenizer directory: its backend, special ids, vocab, kind.
+
+    Read from tokenizer.json and tokenizer_config.json / special_tokens_map.json directly, since
+    importing transformers costs seconds; only a directory without those falls back to it.
+    """
+
+    _NAMES = ("sep", "eos", "pad", "mask", "cls", "bos")
 
     def __init__(self, directory: Path):
         if not directory.exists():
@@ -78,17 +84,31 @@ class TokenizerInfo:
         if not directory.is_dir():
             raise UserError(f"{directory}: not a directory (expected a tokenizer directory)")
         self.directory = directory
-        tok = self._load(directory)
-        if not getattr(tok, "is_fast", False):
-            raise UserError(f"{directory}: only fast (tokenizers-backed) tokenizers are supported")
-        self.backend_json = tok.backend_tokenizer.to_str()
+        from tokenizers import Tokenizer
+
+        tok_json = directory / "tokenizer.json"
+        config = self._read_config(directory)
+        tokens = {n: _token_content(config.get(f"{n}_token")) for n in self._NAMES}
+        max_len = config.get("model_max_length")
+        if tok_json.is_file():
+            try:
+                self.backend_json = tok_json.read_text(encoding="utf-8")
+                backend = Tokenizer.from_str(self.backend_json)
+            except Exception as e:  # noqa: BLE001 - any failure means a corrupt file
+                raise UserError(f"{tok_json}: corrupt tokenizer file ({_first_line(e)})") from None
+        if not tok_json.is_file() or not (tokens["sep"] or tokens["eos"]):
+            fast = self._load_with_transformers(directory)  # e.g. a vocab.txt-only BERT dir
+            backend = fast.backend_tokenizer
+            self.backend_json = backend.to_str()
+            tokens = {n: getattr(fast, f"{n}_token", None) for n in self._NAMES}
+            max_len = getattr(fast, "model_max_length", None)
+        ids = {n: (backend.token_to_id(t) if t else None) for n, t in tokens.items()}
         model = json.loads(self.backend_json).get("model", {})
         self.kind = str(model.get("type") or "unknown").lower()
-        vocab = tok.get_vocab()
-        self.vocab_size = max(len(tok), max(vocab.values(), default=-1) + 1)
-        self.model_max_length = _int_or_none(getattr(tok, "model_max_length", None))
-        ids = {n: getattr(tok, f"{n}_token_id", None) for n in ("sep", "eos", "pad", "mask",
-                                                               "cls", "bos")}
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(backend.get_vocab_size(with_added_tokens=True),
+                              max(vocab.values(), default=-1) + 1)
+        self.model_max_length = _int_or_none(max_len)
         first, second = ("sep", "eos") if self.kind == "wordpiece" else ("eos", "sep")
         eod = ids[first] if ids[first] is not None else ids[second]
         if eod is None:
@@ -100,15 +120,37 @@ class TokenizerInfo:
         self.dtype = token_dtype(self.vocab_size)
 
     @staticmethod
-    def _load(directory: Path):
+    def _read_config(directory: Path) -> dict[str, Any]:
+        """Special tokens and model_max_length from the transformers side files, if present."""
+        config: dict[str, Any] = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):
+            path = directory / name
+            if not path.is_file():
+                continue
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise UserError(f"{path}: corrupt JSON ({_first_line(e)})") from None
+            except OSError as e:
+                raise UserError(f"{path}: cannot read ({e.strerror})") from None
+            if not isinstance(data, dict):
+                raise UserError(f"{path}: expected a JSON object")
+            config.update({k: v for k, v in data.items() if v is not None})
+        return config
+
+    @staticmethod
+    def _load_with_transformers(directory: Path):
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - any failure here means an unusable directory
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"{directory}: not a loadable tokenizer directory ({first_line})") from None
+            raise UserError(f"{directory}: not a loadable tokenizer directory "
+                            f"({_first_line(e)})") from None
+        if not getattr(tok, "is_fast", False):
+            raise UserError(f"{directory}: only fast (tokenizers-backed) tokenizers are supported")
+        return tok
 
     def copy_to(self, dest: Path) -> list[dict[str, Any]]:
         """Copy the tokenizer's files into the dataset (so it is self-contained); list them."""
@@ -117,9 +159,20 @@ class TokenizerInfo:
             if f.is_file():
                 shutil.copyfile(f, dest / f.name)
         if not (dest / "tokenizer.json").is_file():
-            (dest / "tokenizer.json").write_text(self.backend_json)
+            (dest / "tokenizer.json").write_text(self.backend_json, encoding="utf-8")
         return [{"name": f.name, "bytes": f.stat().st_size, "checksum": mf.file_checksum(f)}
                 for f in sorted(dest.iterdir()) if f.is_file()]
+
+
+def _token_content(value) -> str | None:
+    """A special token as written by transformers: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _int_or_none(v) -> int | None:

@@ -6,9 +6,9 @@ recursively in sorted order, so the document order, and with it the dataset, is 
 
 Documents come out as *pieces* of at most about `PIECE_CHARS` characters, so that neither a huge
 `.txt` file nor a huge JSON line is ever tokenized in one call (which would hold every token's
-offsets in memory). A piece is cut after a newline that is followed by a non-space character where
-possible: WordPiece ignores whitespace, and byte-level BPE pre-tokenizes identically on both sides
-of such a cut, so the ids are those of the whole document.
+offsets in memory). A piece is cut after a newline between two non-space characters where possible:
+WordPiece ignores whitespace, and byte-level BPE's pre-tokenizer splits there anyway, so the ids
+are those of the whole document.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from data_tools.errors import UserError
 DEFAULT_INCLUDE = "*.txt,*.jsonl,*.jsonl.gz"
 PIECE_CHARS = 1 << 20
 _READ_BYTES = 1 << 20
-_GOOD_CUT = re.compile(r"\n(?=\S)")
+_GOOD_CUT = re.compile(r"(?<=\S)\n(?=\S)")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 _replaced = 0
@@ -232,7 +232,7 @@ class Corpus:
 
 
 def _cut_point(text: str, limit: int) -> int:
-    """Where to end a piece of at most `limit` chars: after the last newline before a non-space."""
+    """Where to end a piece of at most `limit` chars: after the last newline between non-spaces."""
     window = text[limit // 2:limit]
     best = -1
     for m in _GOOD_CUT.finditer(window):

@@ -170,9 +170,9 @@ class IndexedShard:
         self._pointers_off = HEADER_BYTES + n * 4
         self._doc_off = HEADER_BYTES + n * 12
         self.bin_bytes = bin_bytes
-        self.dtype = self._resolve_dtype(code, ip)
         self._idx_mm = None
         self._bin_mm = None
+        self.dtype = self._resolve_dtype(code, ip)  # may read the sizes (code 8)
 
     def _resolve_dtype(self, code: int, ip: Path) -> np.dtype:
         if code in _COMMON_CODES:

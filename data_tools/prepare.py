@@ -37,7 +37,7 @@ import xxhash
 from tqdm import tqdm
 
 from data_tools import manifest as mf
-from data_tools.corpus import DEFAULT_INCLUDE, Corpus
+from data_tools.corpus import DEFAULT_INCLUDE, PIECE_CHARS, Corpus
 from data_tools.errors import UserError
 from data_tools.indexed import ShardWriter, bin_path, idx_path, token_dtype
 
@@ -64,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error, not replaced")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     p.add_argument("--batch-chars", type=int, default=BATCH_CHARS, help=argparse.SUPPRESS)
+    p.add_argument("--piece-chars", type=int, default=PIECE_CHARS, help=argparse.SUPPRESS)
 
 
 # -- the tokenizer ---------------------------------------------------------------------------
@@ -421,6 +422,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--shard-tokens {args.shard_tokens}: must be at least 1")
     if args.batch_chars < 1:
         raise UserError(f"--batch-chars {args.batch_chars}: must be at least 1")
+    if args.piece_chars < 64:
+        raise UserError(f"--piece-chars {args.piece_chars}: must be at least 64")
 
 
 def build_manifest(p: Preparer, splits: dict[str, Any], tok_files: list[dict[str, Any]],
@@ -459,7 +462,7 @@ def build_manifest(p: Preparer, splits: dict[str, Any], tok_files: list[dict[str
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     t0 = time.perf_counter()
-    corpus = Corpus(args.input, args.include, args.text_key, args.strict)
+    corpus = Corpus(args.input, args.include, args.text_key, args.strict, args.piece_chars)
     tok = TokenizerInfo(args.tokenizer)
     created_out = _prepare_out_dir(args.out, args.overwrite)
     p = Preparer(args, tok, corpus)

@@ -1,0 +1,217 @@
+"""The run's configuration: every `app train` flag, typed, documented and checked in one place.
+
+Checks run before any process group starts, so a bad flag costs one line and exit 2 on every
+rank. Derived values (batch sizes per rank, precision) are settled later by the engine and
+recorded next to this config in RUN_DIR/config.json.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from data_tools.errors import UserError
+
+RESUME_MODES = ("auto", "never")
+WANDB_MODES = ("online", "offline", "disabled")
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
+
+
+@dataclass
+class TrainConfig:
+    """`python -m app train` settings. Field names are the flags with '-' for '_'."""
+
+    data: Path
+    """Dataset directory (dataset.json + shards), as written by `data_tools prepare`."""
+    out: Path
+    """Run directory: config.json, metrics.jsonl, summary.json, checkpoints/, wandb/."""
+    model: str | None = None
+    """Preset name (app.model.PRESETS); default bert-tiny for mlm, gpt-tiny for clm."""
+    objective: str | None = None
+    """"mlm" or "clm"; default: the preset's (BERT presets mlm, GPT/Llama presets clm)."""
+    model_arg: list[str] = field(default_factory=list)
+    """Config field overrides KEY=VALUE (e.g. num_hidden_layers=4)."""
+    ds_config: Path | None = None
+    """DeepSpeed JSON; its "auto" fields are filled from these flags."""
+    zero: int | None = None
+    """Shorthand for ds_configs/zero{N}.json (default 0)."""
+    precision: str = "auto"
+    """auto|bf16|fp16|fp32: auto = bf16 on accelerators that have it, fp32 on CPU."""
+    seq_len: int = 128
+    """Tokens per sample."""
+    micro_batch: int = 16
+    """Samples per rank per forward/backward pass."""
+    grad_accum: int | None = None
+    """Micro steps per optimizer step (default 1, or derived from --global-batch)."""
+    global_batch: int | None = None
+    """Samples per optimizer step over all ranks (= micro_batch * grad_accum * world size)."""
+    max_steps: int = 1000
+    """Optimizer steps to train for (the LR schedule ends here)."""
+    max_tokens: int | None = None
+    """Token budget: stop (and end the schedule) once this many tokens were trained on."""
+    stop_at_step: int | None = None
+    """Stop and save at this step without changing the schedule (preemption drills, tests)."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """LR floor as a fraction of the peak."""
+    warmup_steps: int | None = None
+    """Linear warmup steps (default: 5% of the schedule, at least 1)."""
+    lr_decay: str = "cosine"
+    """cosine|linear|constant decay after warmup."""
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    seed: int = 0
+    """Seeds the weights, the sample order, the masks and dropout."""
+    dropout: float | None = None
+    """Overrides the preset's dropout (0 makes runs comparable across world sizes)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, ~30% more compute."""
+    attn: str = "auto"
+    """Attention kernel: auto (flash_attention_2 if installed on GPU, else sdpa), sdpa, eager."""
+    packing: str = "concat"
+    """concat (windows across documents) or doc (one document per sample)."""
+    mask_prob: float = 0.15
+    resume: str = "auto"
+    """auto (latest checkpoint in RUN_DIR if any), never, or a checkpoint path."""
+    overwrite: bool = False
+    """Allow --resume never to replace an existing run in RUN_DIR."""
+    save_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 3
+    """Checkpoints kept; older ones are deleted after a newer save completed."""
+    eval_every: int = 0
+    """Evaluate on the val split every N steps (0: only at the end)."""
+    eval_samples: int = 256
+    """Val samples per evaluation (at most the split's)."""
+    log_every: int = 10
+    """Steps between log lines (host syncs and cross-rank reductions happen only then)."""
+    num_workers: int | None = None
+    """Data-loader workers per rank (default: from the cores per rank)."""
+    stage_to: Path | None = None
+    """Node-local directory to copy the dataset to before training (first local rank copies)."""
+    wandb: str | None = None
+    """online|offline|disabled (default: online with WANDB_API_KEY, else offline)."""
+    wandb_project: str = "dspretrain"
+
+    def __post_init__(self) -> None:
+        self.data, self.out = Path(self.data), Path(self.out)
+        for name in ("seq_len", "micro_batch", "max_steps", "log_every", "keep_last",
+                     "eval_samples"):
+            _positive(name, getattr(self, name))
+        for name in ("grad_accum", "global_batch", "max_tokens", "stop_at_step"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name in ("save_every", "eval_every"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{_flag(name)} {getattr(self, name)}: must be 0 or more")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise UserError(f"--num-workers {self.num_workers}: must be 0 or more")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise UserError(f"--warmup-steps {self.warmup_steps}: must be 0 or more")
+        if self.zero is not None and self.ds_config is not None:
+            raise UserError("--zero and --ds-config are exclusive: --zero N means "
+                            "ds_configs/zeroN.json")
+        if self.zero is not None and not 0 <= self.zero <= 3:
+            raise UserError(f"--zero {self.zero}: ZeRO stages are 0, 1, 2 and 3")
+        if self.objective not in (None, "mlm", "clm"):
+            raise UserError(f"--objective {self.objective!r}: expected mlm or clm")
+        if self.lr <= 0:
+            raise UserError(f"--lr {self.lr}: must be positive")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--dropout {self.dropout}: must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise UserError(f"--weight-decay {self.weight_decay}: must be 0 or more")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"--{name} {getattr(self, name)}: must be in [0, 1)")
+        if self.resume not in RESUME_MODES and not self.resume:
+            raise UserError("--resume: expected auto, never or a checkpoint path")
+        if self.wandb not in (None, *WANDB_MODES):
+            raise UserError(f"--wandb {self.wandb!r}: expected one of {', '.join(WANDB_MODES)}")
+        if self.attn not in ATTENTION:
+            raise UserError(f"--attn {self.attn!r}: expected one of {', '.join(ATTENTION)}")
+        if self.data.resolve() == self.out.resolve():
+            raise UserError(f"--out {self.out}: is the dataset directory")
+
+    @property
+    def model_name(self) -> str:
+        if self.model is not None:
+            return self.model
+        return "gpt-tiny" if self.objective == "clm" else "bert-tiny"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise UserError(f"--{_flag(name)} {value}: must be at least 1")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `app train` flags; defaults and help come from TrainConfig."""
+    docs = _field_docs()
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+
+    def add(name: str, **kw: Any) -> None:
+        default = defaults.get(name)
+        if default is not None and not isinstance(default, type(field)) and "default" not in kw:
+            kw["default"] = default
+        help_text = docs.get(name, "")
+        if kw.get("default") not in (None, False) and "action" not in kw:
+            help_text += f" (default {kw['default']})"
+        parser.add_argument(f"--{_flag(name)}", dest=name, help=help_text, **kw)
+
+    add("data", type=Path, required=True, metavar="DIR")
+    add("out", type=Path, required=True, metavar="RUN_DIR")
+    add("model", metavar="PRESET")
+    add("objective", choices=("mlm", "clm"))
+    add("model_arg", action="append", default=[], metavar="KEY=VALUE")
+    add("ds_config", type=Path, metavar="FILE")
+    add("zero", type=int, metavar="N")
+    add("precision", choices=("auto", "bf16", "fp16", "fp32"))
+    for name in ("seq_len", "micro_batch", "grad_accum", "global_batch", "max_steps",
+                 "max_tokens", "stop_at_step", "warmup_steps", "seed", "save_every", "keep_last",
+                 "eval_every", "eval_samples", "log_every", "num_workers"):
+        add(name, type=int, metavar="N")
+    for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "dropout",
+                 "mask_prob"):
+        add(name, type=float, metavar="F")
+    add("lr_decay", choices=("cosine", "linear", "constant"))
+    add("gradient_checkpointing", action="store_true")
+    add("attn", choices=ATTENTION)
+    add("packing", choices=("concat", "doc"))
+    add("resume", metavar="auto|never|PATH")
+    add("overwrite", action="store_true")
+    add("stage_to", type=Path, metavar="DIR")
+    add("wandb", choices=WANDB_MODES)
+    add("wandb_project", metavar="NAME")
+
+
+def _field_docs() -> dict[str, str]:
+    """The docstring under each TrainConfig field, for --help (one source of truth)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    body = tree.body[0].body
+    out = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            out[node.target.id] = nxt.value.value
+    return out

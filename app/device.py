@@ -1,0 +1,117 @@
+"""Where the model runs: the one place that asks DeepSpeed's accelerator about the hardware.
+
+Everything device-specific (device name, pinned memory, communication backend, precision support,
+memory figures, CPU threads) is answered here, so no other module mentions "cpu" or "cuda".
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import torch
+
+from data_tools.errors import UserError
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+
+
+def _accelerator():
+    # Imported lazily: DeepSpeed's accelerator probe takes a moment and logs a line.
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator()
+
+
+@dataclass(frozen=True)
+class Device:
+    """Facts about this rank's accelerator, recorded in the run's config.json."""
+
+    name: str
+    """Accelerator kind as DeepSpeed names it ("cuda", "cpu", "xpu", ...)."""
+    backend: str
+    """Communication backend DeepSpeed uses for it (nccl on CUDA, gloo on CPU)."""
+    pin_memory: bool
+    """Whether the data loader should pin host memory (only useful with a separate device)."""
+    bf16_supported: bool
+    fp16_supported: bool
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.name == "cpu"
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        return torch.device(self.name if self.is_cpu else f"{self.name}:{local_rank}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def detect() -> Device:
+    acc = _accelerator()
+    name = acc.device_name()
+    return Device(name=name, backend=acc.communication_backend_name(), pin_memory=name != "cpu",
+                  bf16_supported=bool(acc.is_bf16_supported()),
+                  fp16_supported=bool(acc.is_fp16_supported()))
+
+
+def resolve_precision(requested: str, device: Device) -> str:
+    """"auto" = bf16 where the accelerator has it and is not the CPU; fp32 on CPU.
+
+    On CPU, bf16 autocast is slower than fp32 and changes nothing about correctness.
+    """
+    if requested not in PRECISIONS:
+        raise UserError(f"--precision {requested!r}: expected one of {', '.join(PRECISIONS)}")
+    if requested == "auto":
+        return "bf16" if device.bf16_supported and not device.is_cpu else "fp32"
+    if requested == "bf16" and not device.bf16_supported:
+        raise UserError(f"--precision bf16: the {device.name} accelerator does not support bf16")
+    if requested == "fp16" and not device.fp16_supported:
+        raise UserError(f"--precision fp16: the {device.name} accelerator does not support fp16")
+    return requested
+
+
+def attention_implementation(requested: str, device: Device) -> str:
+    """"auto" = flash_attention_2 when its package is installed on a GPU, else PyTorch SDPA."""
+    if requested != "auto":
+        return requested
+    if not device.is_cpu:
+        try:
+            import flash_attn  # noqa: F401
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def set_cpu_threads(device: Device, env: Mapping[str, str] = os.environ) -> int | None:
+    """Share the cores among the ranks of a CPU node (torch takes them all per process otherwise).
+
+    Respects OMP_NUM_THREADS when the user or launcher set it; returns the thread count chosen.
+    """
+    if not device.is_cpu or env.get("OMP_NUM_THREADS"):
+        return None
+    local = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // max(local, 1))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Move a batch; non_blocking overlaps the copy with compute when the memory is pinned."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def memory_gb() -> tuple[float, float]:
+    """(current, peak) memory of this rank in GiB: accelerator memory, or process RSS on CPU."""
+    acc = _accelerator()
+    if acc.device_name() == "cpu":
+        try:
+            import resource
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+            with open("/proc/self/statm") as f:
+                current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+            return current, peak
+        except (OSError, ValueError, ImportError):
+            return 0.0, 0.0
+    return acc.memory_allocated() / 2**30, acc.max_memory_allocated() / 2**30

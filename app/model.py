@@ -1,0 +1,144 @@
+"""Model presets and their `transformers` models, built from configs with random weights.
+
+Nothing is downloaded: a preset is a config dict; the vocabulary and special token ids come from
+the dataset's tokenizer, and any config field can be overridden (`--model-arg key=value`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig,
+                          GPT2Config, LlamaConfig, PretrainedConfig)
+
+from data_tools.errors import UserError
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named geometry: the `transformers` config class, its fields and its objective."""
+
+    config_class: type
+    objective: str
+    """"mlm" (encoder, BERT-like) or "clm" (decoder, GPT-like)."""
+    fields: Mapping[str, Any]
+
+
+def _bert(hidden: int, layers: int, heads: int) -> Preset:
+    return Preset(BertConfig, "mlm", dict(hidden_size=hidden, num_hidden_layers=layers,
+                                          num_attention_heads=heads, intermediate_size=4 * hidden,
+                                          max_position_embeddings=512))
+
+
+def _gpt(hidden: int, layers: int, heads: int) -> Preset:
+    return Preset(GPT2Config, "clm", dict(n_embd=hidden, n_layer=layers, n_head=heads,
+                                          n_positions=1024))
+
+
+PRESETS: dict[str, Preset] = {
+    "bert-tiny": _bert(128, 2, 2),  # tests and the CPU demo
+    "bert-120m": _bert(768, 12, 12),  # BERT-base geometry: the paper's small model
+    "bert-350m": _bert(1024, 24, 16),  # BERT-large geometry: the paper's large model
+    "gpt-tiny": _gpt(128, 2, 2),
+    "gpt-125m": _gpt(768, 12, 12),  # GPT-2 small
+    "gpt-350m": _gpt(1024, 24, 16),  # GPT-2 medium
+    "llama-tiny": Preset(LlamaConfig, "clm", dict(
+        hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)),
+}
+
+# Config fields that hold dropout probabilities, per model type (`--dropout` sets them all).
+_DROPOUT_FIELDS = {
+    "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    "llama": ("attention_dropout",),
+}
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions")
+
+
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise UserError(f"--model {name!r}: unknown preset (choose from {', '.join(PRESETS)})")
+    return PRESETS[name]
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`key=value` strings to a dict; values read as JSON (numbers, true/false), else strings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--model-arg {item!r}: expected KEY=VALUE, e.g. num_hidden_layers=4")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def build_config(name: str, *, vocab_size: int, special_ids: Mapping[str, int | None],
+                 overrides: Mapping[str, Any] | None = None, dropout: float | None = None,
+                 attn_implementation: str = "sdpa") -> PretrainedConfig:
+    """The preset's config with the tokenizer's vocabulary and ids, then the user's overrides."""
+    p = preset(name)
+    fields = dict(p.fields)
+    fields["vocab_size"] = vocab_size
+    fields.update({k: v for k, v in special_ids.items() if v is not None})
+    config = p.config_class(**fields)
+    for key in _DROPOUT_FIELDS.get(config.model_type, ()):
+        if dropout is not None:
+            setattr(config, key, float(dropout))
+    for key, value in (overrides or {}).items():
+        if not hasattr(config, key):
+            raise UserError(f"--model-arg {key}={value!r}: {config.model_type} configs have no "
+                            f"field '{key}'")
+        setattr(config, key, value)
+    if int(config.vocab_size) < vocab_size:
+        raise UserError(f"--model-arg vocab_size={config.vocab_size}: the dataset's token ids go "
+                        f"up to {vocab_size - 1} (vocab_size {vocab_size} in dataset.json)")
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def config_from_dict(data: Mapping[str, Any]) -> PretrainedConfig:
+    """Rebuild a saved config (config.json of a run) without knowing its class in advance."""
+    data = dict(data)
+    return AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def max_positions(config: PretrainedConfig) -> int:
+    for key in _POSITION_FIELDS:
+        if hasattr(config, key):
+            return int(getattr(config, key))
+    raise ValueError(f"{config.model_type}: no position limit field")
+
+
+def objective_of(config: PretrainedConfig) -> str:
+    return "mlm" if config.model_type == "bert" else "clm"
+
+
+def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = False,
+                seed: int | None = None) -> torch.nn.Module:
+    """A freshly initialised model for the config's objective (same seed, same weights)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    auto = AutoModelForMaskedLM if objective_of(config) == "mlm" else AutoModelForCausalLM
+    try:
+        model = auto.from_config(config, attn_implementation=config._attn_implementation)
+    except (ImportError, ValueError) as e:  # e.g. flash_attention_2 without its package
+        raise UserError(f"--attn {config._attn_implementation}: {e}".splitlines()[0]) from None
+    if gradient_checkpointing:
+        # use_reentrant=False: works with ZeRO-3's partitioned parameters and frozen inputs
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (tied weights once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

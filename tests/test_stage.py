@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from data_tools import stage as stage_mod
 from data_tools.__main__ import main as data_tools_main
 from data_tools.errors import UserError
 from data_tools.indexed import IndexedShard, ShardWriter

@@ -322,3 +322,76 @@ def test_bad_inputs_raise_user_errors(small_dataset, tmp_path):
     (no_mask / "train_00000.idx").unlink()
     with pytest.raises(UserError, match="train_00000.idx: missing"):
         TokenWindows(spec(no_mask, seq_len=2))
+
+
+# -- real datasets (data_tools prepare over stdlib sources, real tokenizers) ---------------------
+
+
+def real_specials(dataset_dir: Path) -> set[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(dataset_dir / "tokenizer" / "tokenizer.json"))
+    return {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+
+def test_mlm_loader_over_a_prepared_dataset_trains_a_real_bert(mlm_dataset):
+    from transformers import BertConfig, BertForMaskedLM
+
+    manifest = load_manifest(mlm_dataset)
+    s = DataSpec(mlm_dataset, "train", 64, "mlm", seed=1)
+    specials = real_specials(mlm_dataset)
+    assert manifest["mask_token_id"] in specials and manifest["eod_token_id"] in specials
+    loader = build_train_loader(s, micro_batch=8, global_batch=16, dp_rank=0, dp_size=1,
+                                consumed_samples=0, num_workers=0)
+    batches = take_batches(loader, 25)
+    ids = torch.cat([b["input_ids"] for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+    sel = labels != IGNORE_INDEX
+    original = originals({"input_ids": ids, "labels": labels})
+    candidates = ~torch.isin(original, torch.tensor(sorted(specials)))
+    assert not (sel & ~candidates).any()  # [SEP], [UNK], ... never selected
+    assert sel.sum() / candidates.sum() == pytest.approx(0.15, abs=0.01)
+    assert (ids[sel] == manifest["mask_token_id"]).float().mean() == pytest.approx(0.8, abs=0.04)
+    assert int(ids.max()) < manifest["vocab_size"]
+    config = BertConfig(vocab_size=manifest["vocab_size"], hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+    loss = BertForMaskedLM(config)(**batches[0]).loss
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(np.log(config.vocab_size), rel=0.2)
+
+
+def test_doc_packing_over_a_prepared_dataset(mlm_dataset):
+    manifest = load_manifest(mlm_dataset)
+    ds = TokenWindows(DataSpec(mlm_dataset, "val", 128, "mlm", packing="doc"))
+    assert len(ds) == manifest["splits"]["val"]["documents"]
+    for p in range(min(len(ds), 20)):
+        item = ds[p]
+        n = int(item["attention_mask"].sum())
+        ids = originals(item)
+        assert ids[0] == manifest["cls_token_id"] and ids[n - 1] == manifest["eod_token_id"]
+        assert (ids[n:] == manifest["pad_token_id"]).all()
+
+
+def test_clm_loader_over_a_prepared_dataset_trains_a_real_gpt(clm_dataset):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    manifest = load_manifest(clm_dataset)
+    s = DataSpec(clm_dataset, "train", 64, "clm", seed=1)
+    assert dataset_stats(s)["num_samples"] == manifest["splits"]["train"]["tokens"] // 64
+    loader = build_train_loader(s, micro_batch=4, global_batch=8, dp_rank=1, dp_size=2,
+                                consumed_samples=8, num_workers=1)
+    batches = take_batches(loader, 10)
+    ds = TokenWindows(s)
+    stream = np.concatenate([shard.tokens for shard in ds.shards])
+    for i, row in enumerate(torch.cat([b["input_ids"] for b in batches])):
+        g, k = divmod(i, 4)  # rank 1 of 2 reads positions 4..7 of each global batch of 8
+        w = ds.sample_index(8 + g * 8 + 4 + k)
+        assert row.tolist() == stream[w * 64:(w + 1) * 64].tolist()
+    for b in batches:
+        assert torch.equal(b["labels"], b["input_ids"]) and (b["attention_mask"] == 1).all()
+    config = GPT2Config(vocab_size=manifest["vocab_size"], n_embd=32, n_layer=1, n_head=2,
+                        n_positions=64)
+    loss = GPT2LMHeadModel(config)(**batches[0]).loss
+    assert torch.isfinite(loss)
+    eval_batches = list(build_eval_loader(DataSpec(clm_dataset, "val", 64, "clm"), micro_batch=4,
+                                          dp_rank=0, dp_size=2, max_samples=10, num_workers=0))
+    assert len(eval_batches) == 2

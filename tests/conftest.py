@@ -25,6 +25,24 @@ STDLIB_MODULES = ("argparse", "dataclasses", "typing", "pathlib", "shutil", "tex
                   "string", "tarfile", "inspect", "ast", "functools", "enum")
 
 
+PROGRESS_PREFIXES = ("reading corpus:", "prepare:", "verify:")
+
+
+@pytest.fixture
+def one_line_error(capsys):
+    """Check a user error: one line on stderr (progress bars aside) naming each given needle."""
+    def check(*needles: str) -> str:
+        raw = capsys.readouterr().err
+        assert "Traceback" not in raw, raw
+        lines = [line for line in raw.replace("\r", "\n").splitlines()
+                 if line.strip() and not line.startswith(PROGRESS_PREFIXES)]
+        assert len(lines) == 1, lines
+        for needle in needles:
+            assert needle in lines[0], lines[0]
+        return lines[0]
+    return check
+
+
 def run_data_tools(*argv: str) -> None:
     """Run `python -m data_tools ...` in-process; a non-zero exit fails the calling fixture."""
     rc = data_tools_main([str(a) for a in argv])

@@ -61,7 +61,8 @@ class DataSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dataset_dir", Path(self.dataset_dir))
         if self.objective not in OBJECTIVES:
-            raise UserError(f"objective {self.objective!r}: expected one of {', '.join(OBJECTIVES)}")
+            raise UserError(f"objective {self.objective!r}: expected one of "
+                            f"{', '.join(OBJECTIVES)}")
         if self.packing not in PACKINGS:
             raise UserError(f"packing {self.packing!r}: expected one of {', '.join(PACKINGS)}")
         if self.seq_len < 2:
@@ -137,8 +138,8 @@ class TokenWindows(Dataset):
         else:
             self.num_samples = self.num_documents
         if self.num_samples == 0:
-            raise UserError(f"{spec.dataset_dir}: split '{spec.split}' has {self.num_tokens} tokens "
-                            f"in {self.num_documents} documents: not one sample of seq_len "
+            raise UserError(f"{spec.dataset_dir}: split '{spec.split}' has {self.num_tokens} "
+                            f"tokens in {self.num_documents} documents: not one sample of seq_len "
                             f"{spec.seq_len} with packing '{spec.packing}'")
         self._perm: Permutation | None = None
 
@@ -247,7 +248,7 @@ def dataset_stats(spec: DataSpec, manifest: dict | None = None) -> dict[str, Any
 
 
 class StreamSampler(Sampler[int]):
-    """This rank's stream positions, from `consumed_samples` on, forever (a generator: O(1) memory)."""
+    """This rank's stream positions from `consumed_samples` on, forever, in O(1) memory."""
 
     def __init__(self, consumed_samples: int, global_batch: int, dp_rank: int, dp_size: int):
         self.consumed_samples = consumed_samples

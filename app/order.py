@@ -124,7 +124,7 @@ def rank_slice(global_batch_index: int, global_batch: int, dp_rank: int, dp_size
 
 def rank_positions(consumed_samples: int, global_batch: int, dp_rank: int,
                    dp_size: int) -> Iterator[int]:
-    """This rank's stream positions from global sample `consumed_samples` on, forever (O(1) memory)."""
+    """This rank's stream positions from global sample `consumed_samples` on, forever."""
     if not 0 <= dp_rank < dp_size:
         raise UserError(f"data-parallel rank {dp_rank} outside [0, {dp_size})")
     g = consumed_samples // global_batch

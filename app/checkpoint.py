@@ -1,0 +1,163 @@
+"""Checkpoints: DeepSpeed's own save/load, plus what makes a resume exact and safe.
+
+Layout under RUN_DIR/checkpoints/:
+
+    global_step{N}/             DeepSpeed's files (model, optimizer/ZeRO partitions, scheduler)
+    global_step{N}/train_state.json   step, consumed samples, tokens, dataset fingerprint, config
+    global_step{N}/rng_rank{R}.pt     each rank's RNG states (dropout), written by that rank
+    latest                      the newest complete tag (written by DeepSpeed, last)
+
+Our files are written before DeepSpeed's save, so `latest` never names a tag without them;
+train_state.json lets a resume be checked (and refused) before any process group starts.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_tools.errors import UserError
+from data_tools.manifest import write_json_atomic
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+STATE = "train_state.json"
+TAG_RE = re.compile(r"^global_step(\d+)$")
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def latest_tag(ckpt_dir: Path) -> str | None:
+    path = ckpt_dir / LATEST
+    if not path.is_file():
+        return None
+    tag = path.read_text().strip()
+    return tag if (ckpt_dir / tag).is_dir() else None
+
+
+def find_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
+    """(checkpoint dir, tag) to resume from, or None to start fresh.
+
+    `auto`: RUN_DIR's latest checkpoint if there is one. `never`: None. A path: a run directory,
+    its checkpoints/ directory or one tag directory; UserError when it holds no checkpoint.
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        ckpt_dir = run_dir / CHECKPOINTS
+        tag = latest_tag(ckpt_dir)
+        return (ckpt_dir, tag) if tag else None
+    path = Path(resume)
+    if not path.exists():
+        raise UserError(f"--resume {path}: no such file or directory")
+    for ckpt_dir in (path / CHECKPOINTS, path):
+        tag = latest_tag(ckpt_dir)
+        if tag:
+            return ckpt_dir, tag
+    if (path / STATE).is_file():
+        return path.parent, path.name
+    raise UserError(f"--resume {path}: no checkpoint there (no '{LATEST}' file, no {STATE})")
+
+
+def read_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
+    path = ckpt_dir / tag / STATE
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing (an incomplete checkpoint, or not one of this app's)") \
+            from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+
+
+def check_resumable(state: dict[str, Any], *, fingerprint: str, model_config: dict[str, Any],
+                    where: Path) -> None:
+    """Refuse a resume on other data or another model geometry (UserError naming both)."""
+    if state.get("dataset_fingerprint") != fingerprint:
+        raise UserError(f"{where}: the checkpoint was trained on dataset "
+                        f"{state.get('dataset_fingerprint')}, --data is {fingerprint}: refusing "
+                        f"to resume on different data (use a new --out, or --resume never)")
+    saved = state.get("model_config", {})
+    for key, value in model_config.items():
+        if key in saved and saved[key] != value and not key.startswith("_") and key not in (
+                "transformers_version", "attn_implementation", "dtype", "torch_dtype"):
+            raise UserError(f"{where}: model field '{key}' is {saved[key]!r} in the checkpoint "
+                            f"and {value!r} now: refusing to resume into another model")
+
+
+def rng_state() -> dict[str, Any]:
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if acc.device_name() != "cpu":
+        state["accelerator"] = acc.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "accelerator" in state:
+        get_accelerator().set_rng_state(state["accelerator"])
+
+
+def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
+         keep_last: int) -> Path:
+    """Save tag global_step{step} on every rank, then prune to the newest `keep_last` tags."""
+    import deepspeed.comm as dist
+
+    tag = tag_for(step)
+    tag_dir = ckpt_dir / tag
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
+    if rank == 0:
+        write_json_atomic(tag_dir / STATE, state)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"train_state": state})
+    dist.barrier()  # every rank's partitions are on disk before anything older goes
+    if rank == 0:
+        prune(ckpt_dir, keep_last)
+    return tag_dir
+
+
+def prune(ckpt_dir: Path, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` tags (never the one `latest` names)."""
+    tags = sorted((int(m.group(1)), p.name) for p in ckpt_dir.iterdir()
+                  if p.is_dir() and (m := TAG_RE.match(p.name)))
+    keep = {name for _, name in tags[-keep_last:]} | {latest_tag(ckpt_dir)}
+    removed = [name for _, name in tags if name not in keep]
+    for name in removed:
+        shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+    return removed
+
+
+def load(engine, ckpt_dir: Path, tag: str, *, rank: int) -> dict[str, Any]:
+    """Load model, optimizer and scheduler states; return the train state. RNG: `restore_rng`."""
+    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if path is None:
+        raise UserError(f"{ckpt_dir / tag}: DeepSpeed found no checkpoint to load")
+    return client["train_state"]
+
+
+def restore_rng(ckpt_dir: Path, tag: str, *, rank: int) -> bool:
+    """Put this rank's RNG back as it was at the save (False if the file is missing, e.g. the
+    world grew: that rank then keeps its fresh seed)."""
+    path = ckpt_dir / tag / f"rng_rank{rank}.pt"
+    if not path.is_file():
+        return False
+    set_rng_state(torch.load(path, weights_only=False))
+    return True

@@ -1,0 +1,239 @@
+"""The DeepSpeed engine: its JSON config, process group, `initialize`, and cross-rank reductions.
+
+One of the two modules that import DeepSpeed. The ds_config owns ZeRO stage, precision and
+clipping; the app fills the "auto" fields from its flags and reads batch sizes back from the engine.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from app.device import Device, resolve_precision
+from data_tools.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job, from the launcher's environment (before any init)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_from_env(env: dict[str, str] | None = None) -> World:
+    env = os.environ if env is None else env
+    world_size = int(env.get("WORLD_SIZE", 1))
+    return World(rank=int(env.get("RANK", 0)), world_size=world_size,
+                 local_rank=int(env.get("LOCAL_RANK", 0)),
+                 local_world_size=int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
+                                      or world_size))
+
+
+def zero_config_path(stage: int) -> Path:
+    return CONFIG_DIR / f"zero{stage}.json"
+
+
+def load_ds_config(path: Path) -> dict[str, Any]:
+    """Read a DeepSpeed JSON config; UserError naming the file (and line) when it is unusable."""
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"--ds-config {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    except OSError as e:
+        raise UserError(f"--ds-config {path}: cannot read ({e.strerror})") from None
+    if not isinstance(ds, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    zero = ds.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise UserError(f"{path}: key 'zero_optimization' must be an object")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"{path}: key 'zero_optimization.stage' is {stage!r}; ZeRO stages are "
+                        f"0, 1, 2 and 3")
+    return ds
+
+
+def _enabled(ds: dict[str, Any], key: str) -> Any:
+    section = ds.get(key)
+    return section.get("enabled", False) if isinstance(section, dict) else False
+
+
+def settle_precision(ds: dict[str, Any], requested: str, device: Device, where: Path) -> str:
+    """The run's precision: the ds_config's when it fixes one, else --precision resolved.
+
+    A file that sets bf16/fp16 explicitly owns the knob; --precision may then only agree.
+    """
+    fixed = [name for name in ("bf16", "fp16") if _enabled(ds, name) is True]
+    if len(fixed) > 1:
+        raise UserError(f"{where}: both 'bf16.enabled' and 'fp16.enabled' are true")
+    if fixed:
+        if requested not in ("auto", fixed[0]):
+            raise UserError(f"--precision {requested}: {where} sets '{fixed[0]}.enabled': true")
+        return resolve_precision(fixed[0], device)
+    return resolve_precision(requested, device)
+
+
+def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_size: int,
+              precision: str, lr: float, betas: tuple[float, float], eps: float,
+              weight_decay: float, hidden_size: int, pin_memory: bool,
+              where: Path) -> dict[str, Any]:
+    """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill."""
+    ds = copy.deepcopy(ds)
+    batch = {"train_micro_batch_size_per_gpu": micro_batch,
+             "gradient_accumulation_steps": grad_accum,
+             "train_batch_size": micro_batch * grad_accum * world_size}
+    for key, value in batch.items():
+        if ds.get(key, "auto") == "auto":
+            ds[key] = value
+        elif ds[key] != value:
+            raise UserError(f"{where}: key '{key}' is {ds[key]} but the flags give {value} "
+                            f"(set it to \"auto\" or drop the flag)")
+    if ds.get("gradient_clipping") == "auto":
+        ds["gradient_clipping"] = 1.0
+    opt = ds.get("optimizer")
+    if isinstance(opt, dict):
+        params = opt.setdefault("params", {})
+        for key, value in (("lr", lr), ("betas", list(betas)), ("eps", eps),
+                           ("weight_decay", weight_decay)):
+            if params.get(key, "auto") == "auto":
+                params[key] = value
+    for name in ("bf16", "fp16"):
+        section = ds.get(name)
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            section["enabled"] = precision == name
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    # HF's choices for the size-dependent ZeRO-3 knobs: a few layers' worth of elements.
+    sized = {"reduce_bucket_size": hidden_size * hidden_size,
+             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+             "stage3_param_persistence_threshold": 10 * hidden_size}
+    for key, value in sized.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    for key in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(key), dict) and zero[key].get("pin_memory") == "auto":
+            zero[key]["pin_memory"] = pin_memory
+    left = _auto_paths(ds)
+    if left:
+        raise UserError(f"{where}: key '{left[0]}' is \"auto\" and the app does not fill it")
+    return ds
+
+
+def _auto_paths(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _auto_paths(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")] if node == "auto" else []
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: Device) -> World:
+    """Join the process group; a bare `python -m app train` becomes a world of one."""
+    import deepspeed
+
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
+    deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False)
+    return world_from_env()
+
+
+def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
+               lr_lambda: Callable[[int], float]):
+    """`deepspeed.initialize` with the optimizer from the config and our LR schedule on it."""
+    import deepspeed
+
+    def scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config, lr_scheduler=scheduler)
+    return engine
+
+
+def grad_norm_before_step(engine) -> torch.Tensor | None:
+    """The global gradient norm, when DeepSpeed will not report one (ZeRO-0 in fp32).
+
+    Call after the boundary micro step's backward (gradients are all-reduced then) and before
+    `engine.step()` clears them. Returns None where `engine.get_global_grad_norm()` will work.
+    """
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+def reported_grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
+def loss_scale(engine) -> float | None:
+    """The dynamic loss scale (fp16 only)."""
+    if not engine.fp16_enabled():
+        return None
+    scale = getattr(engine.optimizer, "cur_scale", None) or getattr(engine.optimizer,
+                                                                    "loss_scale", None)
+    return None if scale is None else float(scale)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place (a no-op in a world of one)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def versions() -> dict[str, str]:
+    import deepspeed
+    import transformers
+
+    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__}

@@ -1,0 +1,108 @@
+"""Where metrics go: RUN_DIR/metrics.jsonl, the console, and a wandb run (rank 0 only).
+
+Loggers share a two-method interface (`log`, `close`); wandb is imported lazily on rank 0, so the
+other ranks and `--wandb disabled` never pay for it. Names follow DESIGN.md (`train/loss`, ...).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from tqdm import tqdm
+
+METRICS = "metrics.jsonl"
+CONSOLE_KEYS = (("train/loss", "loss {:.4f}"), ("eval/loss", "eval_loss {:.4f}"),
+                ("eval/accuracy", "eval_acc {:.3f}"), ("eval/perplexity", "ppl {:.2f}"),
+                ("train/lr", "lr {:.2e}"), ("train/grad_norm", "gnorm {:.3f}"),
+                ("perf/tokens_per_sec", "{:,.0f} tok/s"), ("perf/step_time_ms", "{:.0f} ms/step"),
+                ("perf/data_wait_pct", "data wait {:.1f}%"), ("sys/mem_gb", "mem {:.2f} GB"))
+
+
+def wandb_mode(requested: str | None, env: Mapping[str, str] = os.environ) -> str:
+    """online with an API key, else offline (a real local run, syncable later)."""
+    if requested:
+        return requested
+    if env.get("WANDB_MODE") in ("online", "offline", "disabled"):
+        return env["WANDB_MODE"]
+    return "online" if env.get("WANDB_API_KEY") else "offline"
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop records past `step` (logged by a run that died before its next checkpoint)."""
+    if not path.is_file():
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+            if record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes every record to metrics.jsonl and wandb, and a short line to the console."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, wandb_mode: str, run_config: dict,
+                 project: str, run_name: str, resumed_step: int | None = None):
+        self.enabled = enabled
+        self.wandb_run = None
+        self._file = None
+        if not enabled:
+            return
+        path = run_dir / METRICS
+        if resumed_step is not None:
+            truncate_after(path, resumed_step)
+        elif path.exists():
+            path.unlink()
+        self._file = open(path, "a", buffering=1)
+        if wandb_mode != "disabled":
+            self.wandb_run = _start_wandb(run_dir, wandb_mode, run_config, project, run_name)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in record.items() if v is not None}
+        self._file.write(json.dumps(clean) + "\n")
+        parts = [fmt.format(clean[k]) for k, fmt in CONSOLE_KEYS if clean.get(k) is not None]
+        tqdm.write(f"step {clean['step']:>6} | " + " | ".join(parts), file=sys.stderr)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in clean.items() if k != "step"},
+                               step=int(clean["step"]))
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.wandb_run is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)):
+                    self.wandb_run.summary[k] = v
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _start_wandb(run_dir: Path, mode: str, run_config: dict, project: str, run_name: str):
+    import wandb  # lazily: slow to import, rank 0 only
+
+    id_file = run_dir / "wandb" / "run_id"
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    run_id = id_file.read_text().strip() if id_file.is_file() else None
+    if not run_id:
+        run_id = wandb.util.generate_id()
+        id_file.write_text(run_id + "\n")
+    return wandb.init(project=project, name=run_name, id=run_id, resume="allow",
+                      dir=str(run_dir), mode=mode, config=run_config)

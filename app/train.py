@@ -1,0 +1,310 @@
+"""`python -m app train`: pretrain a model on a dataset directory.
+
+build config -> check everything checkable (before any process group) -> join the group ->
+stage data -> engine -> resume -> Trainer.fit -> summary. Start it with the deepspeed launcher
+(or launch.sh) for many ranks; a bare `python -m app train` is a world of one.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app import checkpoint
+from app import config as config_mod
+from app.config import TrainConfig
+from app.device import Device, attention_implementation, detect, set_cpu_threads
+from app.engine import (World, all_gather_object, barrier, fill_auto, init_distributed,
+                        initialize, load_ds_config, settle_precision, versions, world_from_env,
+                        zero_config_path, zero_stage)
+from app.metrics import METRICS, MetricsLogger, wandb_mode
+from app.model import build_config, build_model, count_parameters, max_positions, preset
+from app.schedule import schedule_fn
+from app.trainer import REFERENCE, Schedule, Trainer, TrainState
+from data_tools.errors import UserError
+from data_tools.manifest import TOKENIZER_DIR, load_manifest, write_json_atomic
+
+RUN_CONFIG = "config.json"
+SUMMARY = "summary.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    config_mod.add_arguments(parser)
+
+
+@dataclass
+class Plan:
+    """Everything settled before the process group starts (so bad input fails fast everywhere)."""
+
+    cfg: TrainConfig
+    device: Device
+    world: World
+    manifest: dict[str, Any]
+    model_config: Any
+    objective: str
+    ds_config: dict[str, Any]
+    ds_path: Path
+    precision: str
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    total_steps: int
+    warmup_steps: int
+    has_eval: bool
+    resume: tuple[Path, str] | None
+    resume_state: dict[str, Any] | None
+
+
+def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
+    from app.data import DataSpec, dataset_stats  # the data side (loaders) of the app
+
+    manifest = load_manifest(cfg.data)
+    p = preset(cfg.model_name)
+    objective = cfg.objective or p.objective
+    if objective != p.objective:
+        raise UserError(f"--objective {objective}: preset {cfg.model_name} is "
+                        f"{'an encoder (mlm)' if p.objective == 'mlm' else 'a decoder (clm)'}")
+    from app.model import parse_overrides
+    eod = manifest["eod_token_id"]
+    special = {"pad_token_id": manifest.get("pad_token_id")}
+    if objective == "clm":
+        special.update(bos_token_id=manifest.get("bos_token_id", eod), eos_token_id=eod)
+    model_config = build_config(cfg.model_name, vocab_size=int(manifest["vocab_size"]),
+                                special_ids=special, overrides=parse_overrides(cfg.model_arg),
+                                dropout=cfg.dropout,
+                                attn_implementation=attention_implementation(cfg.attn, device))
+    if cfg.seq_len > max_positions(model_config):
+        raise UserError(f"--seq-len {cfg.seq_len}: above the {max_positions(model_config)} "
+                        f"positions of {cfg.model_name} (raise it with --model-arg)")
+    stats = dataset_stats(DataSpec(cfg.data, "train", cfg.seq_len, objective, cfg.packing,
+                                   cfg.seed, cfg.mask_prob), manifest)
+    has_eval = "val" in manifest["splits"] and bool(manifest["splits"]["val"]["shards"])
+    if has_eval:
+        try:
+            dataset_stats(DataSpec(cfg.data, "val", cfg.seq_len, objective, cfg.packing,
+                                   cfg.seed, cfg.mask_prob), manifest)
+        except UserError as e:
+            has_eval = False
+            if world.is_main:
+                print(f"no evaluation: {e}", file=sys.stderr)
+
+    ds_path = cfg.ds_config or zero_config_path(cfg.zero or 0)
+    raw_ds = load_ds_config(ds_path)
+    precision = settle_precision(raw_ds, cfg.precision, device, ds_path)
+    micro, accum, gbs = batch_geometry(cfg, world.world_size)
+    total_steps = cfg.max_steps
+    if cfg.max_tokens is not None:
+        total_steps = min(total_steps, math.ceil(cfg.max_tokens / (gbs * cfg.seq_len)))
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
+    schedule_fn(warmup_steps=warmup, total_steps=total_steps, decay=cfg.lr_decay,
+                min_lr_ratio=cfg.min_lr_ratio)  # raises UserError for bad settings
+    hidden = getattr(model_config, "hidden_size", None) or model_config.n_embd
+    ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
+                   precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                   weight_decay=cfg.weight_decay, hidden_size=int(hidden),
+                   pin_memory=device.pin_memory, where=ds_path)
+    resume = check_run_dir(cfg)
+    resume_state = None
+    if resume is not None:
+        resume_state = checkpoint.read_state(*resume)
+        checkpoint.check_resumable(resume_state, fingerprint=manifest["fingerprint"],
+                                   model_config=model_config.to_dict(),
+                                   where=resume[0] / resume[1])
+        saved_world = resume_state.get("world_size")
+        if zero_stage(ds) > 0 and saved_world not in (None, world.world_size):
+            raise UserError(f"{resume[0] / resume[1]}: written by {saved_world} ranks with ZeRO "
+                            f"partitions; resume it with {saved_world} ranks, not "
+                            f"{world.world_size}")
+    if world.is_main:
+        print(f"data: {stats['num_samples']:,} train samples of {cfg.seq_len} tokens "
+              f"({stats['tokens']:,} tokens); {gbs} samples = {gbs * cfg.seq_len:,} tokens per "
+              f"step; {total_steps} steps = {total_steps * gbs / stats['num_samples']:.2f} epochs",
+              file=sys.stderr)
+    return Plan(cfg, device, world, manifest, model_config, objective, ds, ds_path, precision,
+                micro, accum, gbs, total_steps, warmup, has_eval, resume, resume_state)
+
+
+def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
+    """(micro batch, gradient accumulation, global batch) from the flags and the world size."""
+    micro = cfg.micro_batch
+    per_step = micro * world_size
+    if cfg.global_batch is not None:
+        if cfg.global_batch % per_step:
+            raise UserError(f"--global-batch {cfg.global_batch}: not a multiple of --micro-batch "
+                            f"{micro} x {world_size} ranks")
+        accum = cfg.global_batch // per_step
+        if cfg.grad_accum is not None and cfg.grad_accum != accum:
+            raise UserError(f"--grad-accum {cfg.grad_accum} disagrees with --global-batch "
+                            f"{cfg.global_batch} (= {accum} x {micro} x {world_size} ranks)")
+    else:
+        accum = cfg.grad_accum or 1
+    return micro, accum, micro * accum * world_size
+
+
+def check_run_dir(cfg: TrainConfig) -> tuple[Path, str] | None:
+    """The checkpoint to resume from (or None), refusing to clobber a previous run silently."""
+    if cfg.out.exists() and not cfg.out.is_dir():
+        raise UserError(f"--out {cfg.out}: exists and is not a directory")
+    resume = checkpoint.find_resume(cfg.resume, cfg.out)
+    if resume is None and not cfg.overwrite:
+        previous = [n for n in (checkpoint.CHECKPOINTS, METRICS, SUMMARY)
+                    if (cfg.out / n).exists()]
+        has_ckpt = checkpoint.latest_tag(cfg.out / checkpoint.CHECKPOINTS) is not None
+        if previous and (cfg.resume == "never" or has_ckpt):
+            raise UserError(f"--out {cfg.out}: holds a previous run ({', '.join(previous)}); "
+                            f"continue it with --resume auto, or replace it with --overwrite")
+    return resume
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """--overwrite: remove what a previous run left (only the files this app writes)."""
+    shutil.rmtree(run_dir / checkpoint.CHECKPOINTS, ignore_errors=True)
+    for name in (METRICS, SUMMARY, REFERENCE, RUN_CONFIG, "wandb/run_id"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
+def stage_data(cfg: TrainConfig, world: World) -> Path:
+    """First local rank of each node copies the dataset to --stage-to; the others wait for it."""
+    path = None
+    if world.local_rank == 0:
+        from data_tools.stage import stage_dataset  # lazily: only runs that stage need it
+        path = str(stage_dataset(cfg.data, cfg.stage_to, progress=world.is_main))
+    paths = all_gather_object(path)  # also the barrier: no rank reads before its node's copy
+    # Launchers number ranks node by node, so this node's first local rank is rank - local_rank.
+    return Path(paths[world.rank - world.local_rank])
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.time()
+    cfg = TrainConfig.from_args(args)
+    device = detect()
+    threads = set_cpu_threads(device)
+    plan = plan_run(cfg, device, world_from_env())
+    world = init_distributed(device)
+    if world.is_main:
+        if cfg.overwrite and plan.resume is None:
+            clear_run_dir(cfg.out)
+        cfg.out.mkdir(parents=True, exist_ok=True)
+    barrier()
+    data_dir = stage_data(cfg, world) if cfg.stage_to else cfg.data
+
+    model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
+                        seed=cfg.seed)
+    n_params = count_parameters(model)
+    lr_lambda = schedule_fn(warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
+                            decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)
+    engine = initialize(model, plan.ds_config, lr_lambda)
+    torch.manual_seed(cfg.seed * 1_000_003 + world.rank + 1)  # dropout: a stream per rank
+    state = TrainState()
+    ckpt_dir = cfg.out / checkpoint.CHECKPOINTS
+    if plan.resume is not None:
+        saved = checkpoint.load(engine, *plan.resume, rank=world.rank)
+        state = TrainState(step=saved["step"], consumed_samples=saved["consumed_samples"],
+                           tokens_seen=saved["tokens_seen"],
+                           best_eval_loss=saved.get("best_eval_loss"))
+        checkpoint.restore_rng(*plan.resume, rank=world.rank)
+        if world.is_main:
+            print(f"resumed from {plan.resume[0] / plan.resume[1]} at step {state.step}",
+                  file=sys.stderr)
+
+    run_config = describe_run(plan, engine, world, data_dir, n_params, threads)
+    if world.is_main:
+        write_json_atomic(cfg.out / RUN_CONFIG, run_config)
+        tok_src = data_dir / plan.manifest["tokenizer"].get("dir", TOKENIZER_DIR)
+        if tok_src.is_dir():
+            shutil.copytree(tok_src, cfg.out / TOKENIZER_DIR, dirs_exist_ok=True)
+    trainer = build_trainer(plan, engine, world, data_dir, state, ckpt_dir, run_config)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.logger.close()
+    if world.is_main:
+        summary = {**summary, "wall_seconds": round(time.time() - started, 3),
+                   "stopped_early": state.step < plan.total_steps,
+                   "resumed_from": str(plan.resume[0] / plan.resume[1]) if plan.resume else None}
+        write_json_atomic(cfg.out / SUMMARY, summary)
+        print(f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens, "
+              f"{summary['tokens_per_sec']:,.0f} tokens/s; run in {cfg.out}", file=sys.stderr)
+    barrier()
+    return 0
+
+
+def describe_run(plan: Plan, engine, world: World, data_dir: Path, n_params: int,
+                 threads: int | None) -> dict[str, Any]:
+    """RUN_DIR/config.json: the resolved run, the DeepSpeed config and the environment."""
+    cfg = plan.cfg
+    return {
+        "run": cfg.to_dict(),
+        "model": {"preset": cfg.model_name, "objective": plan.objective,
+                  "parameters": n_params, "config": plan.model_config.to_dict()},
+        "batch": {"micro_batch": engine.train_micro_batch_size_per_gpu(),
+                  "grad_accum": engine.gradient_accumulation_steps(),
+                  "global_batch": engine.train_batch_size(),
+                  "global_batch_tokens": engine.train_batch_size() * cfg.seq_len},
+        "schedule": {"total_steps": plan.total_steps, "warmup_steps": plan.warmup_steps,
+                     "decay": cfg.lr_decay, "lr": cfg.lr, "min_lr_ratio": cfg.min_lr_ratio},
+        "precision": plan.precision,
+        "zero_stage": zero_stage(plan.ds_config),
+        "ds_config_file": str(plan.ds_path),
+        "ds_config": plan.ds_config,
+        "data": {"source": str(cfg.data), "read_from": str(data_dir),
+                 "staged": cfg.stage_to is not None,
+                 "fingerprint": plan.manifest["fingerprint"],
+                 "vocab_size": plan.manifest["vocab_size"]},
+        "environment": {"world_size": world.world_size,
+                        "local_world_size": world.local_world_size,
+                        "device": plan.device.as_dict(), "cpu_threads_per_rank": threads,
+                        "hostname": platform.node(), "python": platform.python_version(),
+                        **versions()},
+    }
+
+
+def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: TrainState,
+                  ckpt_dir: Path, run_config: dict[str, Any]) -> Trainer:
+    from app.data import DataSpec, build_eval_loader, build_train_loader, default_num_workers
+
+    cfg = plan.cfg
+    workers = (cfg.num_workers if cfg.num_workers is not None
+               else default_num_workers(world.local_world_size))
+    pin = plan.device.pin_memory
+
+    def spec(split: str) -> DataSpec:
+        return DataSpec(data_dir, split, cfg.seq_len, plan.objective, cfg.packing, cfg.seed,
+                        cfg.mask_prob)
+
+    def train_batches(consumed: int):
+        return build_train_loader(spec("train"), micro_batch=engine.train_micro_batch_size_per_gpu(),
+                                  global_batch=engine.train_batch_size(), dp_rank=world.rank,
+                                  dp_size=world.world_size, consumed_samples=consumed,
+                                  num_workers=workers, pin_memory=pin)
+
+    def eval_batches():
+        return build_eval_loader(spec("val"), micro_batch=engine.train_micro_batch_size_per_gpu(),
+                                 dp_rank=world.rank, dp_size=world.world_size,
+                                 max_samples=cfg.eval_samples, num_workers=0, pin_memory=pin)
+
+    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb_mode=wandb_mode(cfg.wandb),
+                           run_config=run_config, project=cfg.wandb_project,
+                           run_name=cfg.out.resolve().name,
+                           resumed_step=state.step if plan.resume else None)
+    stop = min(cfg.stop_at_step or plan.total_steps, plan.total_steps)
+    schedule = Schedule(total_steps=plan.total_steps, stop_step=stop, log_every=cfg.log_every,
+                        eval_every=cfg.eval_every, save_every=cfg.save_every,
+                        keep_last=cfg.keep_last)
+    extra = {"world_size": world.world_size, "global_batch": engine.train_batch_size(),
+             "dataset_fingerprint": plan.manifest["fingerprint"],
+             "model_config": plan.model_config.to_dict(), "run_config": run_config["run"],
+             "ds_config": plan.ds_config}
+    return Trainer(engine=engine, world=world, device=plan.device.torch_device(world.local_rank),
+                   schedule=schedule, state=state, seq_len=cfg.seq_len, objective=plan.objective,
+                   train_batches=train_batches,
+                   eval_batches=eval_batches if plan.has_eval else None, logger=logger,
+                   ckpt_dir=ckpt_dir, checkpoint_extra=extra, run_dir=cfg.out)

@@ -121,11 +121,18 @@ class TokenWindows(Dataset):
                                  special_ids=_special_ids(spec.dataset_dir, self.manifest),
                                  mask_prob=spec.mask_prob)
         self.shards = []
-        for prefix in shard_prefixes(spec.dataset_dir, self.manifest, spec.split):
+        entries = self.manifest["splits"][spec.split]["shards"]
+        for entry, prefix in zip(entries, shard_prefixes(spec.dataset_dir, self.manifest,
+                                                         spec.split)):
             try:
-                self.shards.append(IndexedShard(prefix))
+                shard = IndexedShard(prefix)
             except FormatError as e:
                 raise UserError(str(e)) from None
+            if shard.bin_bytes != entry["bin_bytes"]:  # O(1) guard; full check: inspect --verify
+                raise UserError(f"{prefix}.bin: {shard.bin_bytes} bytes, {where} says "
+                                f"{entry['bin_bytes']} (truncated or replaced; re-stage or "
+                                f"run `python -m data_tools inspect --verify`)")
+            self.shards.append(shard)
         # O(#shards) bookkeeping from the headers only
         tokens = np.array([s.num_tokens for s in self.shards], dtype=np.int64)
         docs = np.array([max(s.num_doc_idx - 1, 0) for s in self.shards], dtype=np.int64)

@@ -319,6 +319,10 @@ def test_bad_inputs_raise_user_errors(small_dataset, tmp_path):
     with pytest.raises(UserError, match="rank 2 outside"):
         build_train_loader(spec(root), micro_batch=2, global_batch=4, dp_rank=2, dp_size=2,
                            consumed_samples=0, num_workers=0)
+    with open(no_mask / "train_00000.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(UserError, match="train_00000.bin: 10 bytes, .*dataset.json says 8"):
+        TokenWindows(spec(no_mask, seq_len=2))
     (no_mask / "train_00000.idx").unlink()
     with pytest.raises(UserError, match="train_00000.idx: missing"):
         TokenWindows(spec(no_mask, seq_len=2))

@@ -47,8 +47,12 @@ def stdlib_inputs() -> list[Path]:
     return inputs
 
 
-def _run(cmd: list[str], env: dict | None = None) -> None:
-    shown = [c if len(c) < 120 else c[:60] + "..." for c in map(str, cmd)]
+def _run(cmd: list, env: dict | None = None, inputs: list[str] = ()) -> None:
+    """Run one step, echoing it as a shell command (the corpus paths folded into one word)."""
+    shown = [str(c) for c in cmd if str(c) not in inputs]
+    if inputs:
+        at = shown.index("--input") + 1
+        shown[at:at] = [f"<{len(inputs)} stdlib modules and packages>"]
     print(f"\n$ {shlex.join(shown)}", flush=True)
     rc = subprocess.call([str(c) for c in cmd], env=env)
     if rc != 0:
@@ -71,11 +75,12 @@ def run(args) -> int:
 
     if args.fresh or not (tok_dir / "tokenizer.json").exists():
         _run([py, "-m", "data_tools", "tokenizer", "--input", *inputs, "--include", "*.py",
-              "--kind", kind, "--vocab-size", str(args.vocab_size), "--out", tok_dir])
+              "--kind", kind, "--vocab-size", str(args.vocab_size), "--out", tok_dir],
+             inputs=inputs)
     if args.fresh or not (data_dir / "dataset.json").exists():
         _run([py, "-m", "data_tools", "prepare", "--input", *inputs, "--include", "*.py",
               "--tokenizer", tok_dir, "--out", data_dir, "--val-fraction", "0.02",
-              "--overwrite"])
+              "--overwrite"], inputs=inputs)
     _run([py, "-m", "data_tools", "inspect", data_dir, "--verify", "--decode", "1"])
 
     env = dict(os.environ)

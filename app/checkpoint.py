@@ -87,6 +87,7 @@ def check_resumable(state: dict[str, Any], *, fingerprint: str, model_config: di
                         f"{state.get('dataset_fingerprint')}, --data is {fingerprint}: refusing "
                         f"to resume on different data (use a new --out, or --resume never)")
     saved = state.get("model_config", {})
+    model_config = json.loads(json.dumps(model_config))  # as saved: string keys, lists
     for key, value in model_config.items():
         if key in saved and saved[key] != value and not key.startswith("_") and key not in (
                 "transformers_version", "attn_implementation", "dtype", "torch_dtype"):

@@ -2,8 +2,9 @@
 
 Target (issue 4): staging with verification reaches >= 0.8x the throughput of a plain `cp -r`,
 measured in the same run on the same disks. `cp` does not fsync, so `cp -r && sync` is measured
-too. Page cache is dropped before every measurement when allowed (root); otherwise every command
-runs warm-cache in the same way. Orders alternate between repetitions; the median is reported.
+too. Before every measurement the source files are evicted from the page cache (sync, then
+posix_fadvise DONTNEED on each: cold reads, without dropping the caches of others sharing the
+machine) and the destination is removed. Orders alternate between repetitions; medians reported.
 
     python bench/bench_stage.py [--dir /tmp/bench_stage] [--gb 1.0] [--reps 3] [--workers 1 4]
 """
@@ -70,13 +71,16 @@ def make_dataset(root: Path, total_bytes: int, shards: int = 8) -> None:
     write_manifest(root, manifest)
 
 
-def drop_caches() -> bool:
-    subprocess.run(["sync"], check=True)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
+def evict(root: Path) -> None:
+    """Cold-read the source next time: write back everything, then drop these files' pages."""
+    os.sync()
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def timed(cmd: list[str] | str, shell: bool = False) -> float:
@@ -101,7 +105,6 @@ def main() -> None:
         make_dataset(src, int(args.gb * 1e9))
     nbytes = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
     nfiles = sum(1 for f in src.rglob("*") if f.is_file())
-    cold = drop_caches()
     out = args.dir / "out"
 
     def cp() -> float:
@@ -118,11 +121,12 @@ def main() -> None:
     cases = {"cp -r": cp, "cp -r && sync": cp_sync}
     cases.update({f"stage --workers {w}": stage(w) for w in args.workers})
     times: dict[str, list[float]] = {k: [] for k in cases}
+    load = os.getloadavg()  # others' jobs on the same machine skew every figure
     for rep in range(args.reps):
         order = list(cases) if rep % 2 == 0 else list(reversed(cases))
         for name in order:
             shutil.rmtree(out, ignore_errors=True)
-            drop_caches()
+            evict(src)
             times[name].append(cases[name]())
     shutil.rmtree(out, ignore_errors=True)
     if not args.keep:
@@ -132,7 +136,8 @@ def main() -> None:
     ref_sync = statistics.median(times["cp -r && sync"])
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}")
     print(f"data: {nbytes / 1e6:.0f} MB in {nfiles} files, "
-          f"{'cold' if cold else 'warm'} page cache, {args.reps} reps, median")
+          f"source evicted from page cache before each run, {args.reps} reps, "
+          f"load average before {load[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -403,7 +403,7 @@ def _prepare_dst(dst: Path) -> None:
         raise UserError(f"{dst}: destination exists and is not a directory")
     try:
         dst.mkdir(parents=True, exist_ok=True)
-        probe = dst / f".stage-probe.{os.getpid()}"
+        probe = dst / f".stage-probe.{os.getpid()}.{threading.get_ident()}"
         probe.touch()
         probe.unlink()
     except OSError as e:
@@ -481,14 +481,14 @@ def stage(src: Path, dst: Path, *, workers: int | None = None, overwrite: bool =
     stats = StageStats(files=len(specs), total_bytes=sum(s.size for s in specs))
     if dst.exists() and dst.resolve() == src.resolve():
         raise UserError(f"{dst}: destination is the source directory")
-    _prepare_dst(dst)
 
     state = _State(dst, fingerprint)
-    if not verify_existing and state.load() == fingerprint and _is_complete(dst, fingerprint,
-                                                                            specs, state):
+    if (not verify_existing and dst.is_dir() and state.load() == fingerprint
+            and _is_complete(dst, fingerprint, specs, state)):
         stats.reused_files, stats.seconds = len(specs), time.monotonic() - started
-        return stats  # complete already: no lock needed to read
+        return stats  # complete already: reads only, so no lock (dst may even be read-only)
 
+    _prepare_dst(dst)
     lock = FileLock(str(dst / LOCK_NAME))
     try:
         lock.acquire(timeout=0)
@@ -509,15 +509,16 @@ def stage(src: Path, dst: Path, *, workers: int | None = None, overwrite: bool =
 def _stage_locked(src: Path, dst: Path, manifest_bytes: bytes, fingerprint: str,
                   specs: list[FileSpec], stats: StageStats, *, workers: int, overwrite: bool,
                   progress: bool, verify_existing: bool) -> None:
-    _remove_other_dataset(dst, fingerprint, overwrite)
     state = _State(dst, fingerprint)
-    state.load()
-    if verify_existing:
-        state.files = {}
-    elif _is_complete(dst, fingerprint, specs, state):
+    if (not verify_existing and state.load() == fingerprint
+            and _is_complete(dst, fingerprint, specs, state)):
         stats.reused_files = len(specs)  # another process finished it while we waited
         return
-    check_source_sizes(src, specs)
+    check_source_sizes(src, specs)  # before anything at dst is removed or written
+    _remove_other_dataset(dst, fingerprint, overwrite)
+    state = _State(dst, fingerprint)
+    if not verify_existing:
+        state.load()
     (dst / MANIFEST).unlink(missing_ok=True)  # incomplete or being verified: must not look done
     todo = [s for s in specs if not state.valid(dst, s)]
     stats.reused_files = len(specs) - len(todo)

@@ -342,6 +342,22 @@ def test_destination_not_writable(dataset, tmp_path, capsys):
         one_line_error(err, str(mnt), "not writable", "Read-only")
 
 
+def test_a_complete_copy_on_a_read_only_disk_is_accepted(dataset, tmp_path):
+    """Ranks of a later job on a node whose local copy was made read-only: nothing to write."""
+    with tmpfs(tmp_path / "ro2", "8m") as mnt:
+        stage(dataset, mnt / "data", progress=False)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        stats = stage(dataset, mnt / "data", progress=False)
+        assert stats.copied_bytes == 0 and stats.reused_files == stats.files
+
+
+def test_bad_worker_count_is_refused(dataset, tmp_path, capsys):
+    rc, _, err = cli("--src", str(dataset), "--dst", str(tmp_path / "d"), "--workers", "0",
+                     capsys=capsys)
+    assert rc == 2
+    one_line_error(err, "--workers must be at least 1")
+
+
 def test_another_dataset_is_refused_unless_overwrite(dataset, tmp_path, capsys):
     other = make_dataset(tmp_path / "other", seed=1, shards=3)
     dst = tmp_path / "dst"

@@ -118,7 +118,10 @@ def main() -> None:
         return lambda: timed([sys.executable, "-m", "data_tools", "stage",
                               "--workers", str(workers), "--src", str(src), "--dst", str(out)])
 
-    cases = {"cp -r": cp, "cp -r && sync": cp_sync}
+    def read_only() -> float:  # the floor of any copy: reading the source once
+        return timed(f"cat '{src}'/*.bin > /dev/null", shell=True)
+
+    cases = {"cat *.bin > /dev/null": read_only, "cp -r": cp, "cp -r && sync": cp_sync}
     cases.update({f"stage --workers {w}": stage(w) for w in args.workers})
     times: dict[str, list[float]] = {k: [] for k in cases}
     load = os.getloadavg()  # others' jobs on the same machine skew every figure

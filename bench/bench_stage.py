@@ -1,4 +1,4 @@
-"""Benchmark: `data_tools stage` (hash while copying, fsync, rename) against `cp -r` of the same files.
+"""Benchmark: `data_tools stage` (hash while copying, fsync, rename) against `cp -r` of the files.
 
 Target (issue 4): staging with verification reaches >= 0.8x the throughput of a plain `cp -r`,
 measured in the same run on the same disks. `cp` does not fsync, so `cp -r && sync` is measured
@@ -137,7 +137,8 @@ def main() -> None:
 
     ref = statistics.median(times["cp -r"])
     ref_sync = statistics.median(times["cp -r && sync"])
-    print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}")
+    print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, "
+          f"python {platform.python_version()}")
     print(f"data: {nbytes / 1e6:.0f} MB in {nfiles} files, "
           f"source evicted from page cache before each run, {args.reps} reps, "
           f"load average before {load[0]:.1f}, after {os.getloadavg()[0]:.1f}")

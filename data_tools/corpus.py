@@ -6,9 +6,10 @@ recursively in sorted order, so the document order, and with it the dataset, is 
 
 Documents come out as *pieces* of at most about `PIECE_CHARS` characters, so that neither a huge
 `.txt` file nor a huge JSON line is ever tokenized in one call (which would hold every token's
-offsets in memory). A piece is cut after a newline between two non-space characters where possible:
-WordPiece ignores whitespace, and byte-level BPE's pre-tokenizer splits there anyway, so the ids
-are those of the whole document.
+offsets in memory). Where possible a piece ends just before a space that precedes a non-space, or
+after a newline between two non-spaces: WordPiece ignores whitespace, and GPT-2's byte-level
+pre-tokenizer always splits there too (" word" starts a pre-token), so the ids equal those of the
+whole document. Text with neither (no spaces for ~PIECE_CHARS/2) is cut at a newline, else anywhere.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from data_tools.errors import UserError
 DEFAULT_INCLUDE = "*.txt,*.jsonl,*.jsonl.gz"
 PIECE_CHARS = 1 << 20
 _READ_BYTES = 1 << 20
-_GOOD_CUT = re.compile(r"(?<=\S)\n(?=\S)")
+_GOOD_CUT = re.compile(r"(?<=\S)\n(?=\S)|(?= \S)")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 _replaced = 0
@@ -69,7 +70,8 @@ def parse_include(include: str) -> list[str]:
 
 
 def list_files(paths: Sequence[str | os.PathLike], include: str = DEFAULT_INCLUDE) -> list[Path]:
-    """Files given explicitly, then directories walked in sorted order and filtered by `include`."""
+    """Inputs in the order given: files as they are, directories walked in sorted order and
+    filtered by `include`; a file reached twice is read once."""
     globs = parse_include(include)
     files: list[Path] = []
     for raw in paths:
@@ -90,6 +92,8 @@ def list_files(paths: Sequence[str | os.PathLike], include: str = DEFAULT_INCLUD
             raise UserError(f"{p}: not a regular file or directory")
         else:
             raise UserError(f"{p}: no such file or directory")
+    seen: set[Path] = set()
+    files = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
     if not files:
         raise UserError(f"no input files in {' '.join(map(str, paths))} "
                         f"(matching --include {','.join(globs)})")
@@ -232,7 +236,7 @@ class Corpus:
 
 
 def _cut_point(text: str, limit: int) -> int:
-    """Where to end a piece of at most `limit` chars: after the last newline between non-spaces."""
+    """Where to end a piece of at most `limit` chars: the last safe cut (see the module doc)."""
     window = text[limit // 2:limit]
     best = -1
     for m in _GOOD_CUT.finditer(window):

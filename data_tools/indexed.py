@@ -130,8 +130,11 @@ class ShardWriter:
                 os.fsync(f.fileno())
 
     def abort(self) -> None:
-        """Close and remove what was written (used when prepare fails)."""
-        self._bin.close()
+        """Close and remove what was written (used when prepare fails, e.g. on a full disk)."""
+        try:
+            self._bin.close()
+        except OSError:
+            pass  # flushing the buffer failed (disk full): the file is removed anyway
         for p in (bin_path(self.prefix), idx_path(self.prefix)):
             p.unlink(missing_ok=True)
 

@@ -94,6 +94,7 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; others must read a dataset
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, sort_keys=False)
             f.write("\n")
@@ -108,6 +109,12 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_manifest(dataset_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:

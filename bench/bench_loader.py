@@ -1,14 +1,16 @@
 """Benchmark: training-loader throughput with 0/1/2 workers, to choose the default --num-workers.
 
-Two measurements per worker count, in the same run:
+Measurements per worker count, in the same run (median of --reps, worker counts alternating):
 - "trivial step": the loop only touches each batch (`input_ids.sum()`), so samples/s is the
-  loader's ceiling; reported as a ratio against num_workers=0 (the reference, measured first);
-- "model step": a small BERT (transformers BertForMaskedLM) forward + backward + SGD step per
-  micro batch; reported as step time and the share of wall time spent waiting for data
-  (`perf/data_wait_pct`, as the trainer reports it), ratios against num_workers=0.
+  loader's ceiling; reported as a ratio against num_workers=0 (the reference);
+- "accelerator step": the step sleeps --step-ms, leaving the CPU free as a GPU step does; the
+  share of wall time spent waiting for data (`perf/data_wait_pct`) says whether workers hide
+  the loading (the paper's lesson 3: add workers until the accelerator never waits);
+- "model step" (--model): a small BERT (BertForMaskedLM) forward + backward + SGD step on the
+  CPU itself, where loader workers compete with the step for the cores.
 
     python bench/bench_loader.py [--data DIR] [--seq-len 512] [--micro-batch 8] [--batches 200]
-                                 [--workers 0 1 2] [--objective mlm] [--packing concat]
+                                 [--workers 0 1 2] [--step-ms 10] [--reps 3] [--model]
 
 Without --data, a synthetic dataset (random BERT-vocabulary ids, 8M tokens, 4 shards) is written
 to a temporary directory first.
@@ -19,6 +21,7 @@ import argparse
 import itertools
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -88,6 +91,7 @@ def run(loader, batches: int, step) -> tuple[float, float]:
         wait += time.perf_counter() - t
         step(batch)
     total = time.perf_counter() - start
+    del it  # stops the workers before the next measurement
     return total / batches, wait / total
 
 
@@ -98,7 +102,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--batches", type=int, default=200)
-    ap.add_argument("--model-batches", type=int, default=30)
+    ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", action="store_true", help="also time a small BERT step on the CPU")
+    ap.add_argument("--model-batches", type=int, default=10)
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--objective", default="mlm", choices=["mlm", "clm"])
     ap.add_argument("--packing", default="concat", choices=["concat", "doc"])
@@ -114,34 +121,57 @@ def main() -> None:
         print(f"# data: {stats['tokens']:,} tokens, {stats['num_samples']:,} samples, "
               f"{args.objective}/{args.packing}, seq_len {args.seq_len}, "
               f"micro batch {args.micro_batch}")
-        model = small_bert(stats["vocab_size"], args.seq_len)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
         def trivial(batch):
             batch["input_ids"].sum()
 
-        def model_step(batch):
-            loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        def accelerator(batch):
+            time.sleep(args.step_ms / 1e3)
 
-        rows = []
+        steps = {"trivial": (trivial, args.batches),
+                 "accelerator": (accelerator, max(20, int(2000 / args.step_ms)))}
+        if args.model:
+            model = small_bert(stats["vocab_size"], args.seq_len)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+            def model_step(batch):
+                model(**batch).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            steps["model"] = (model_step, args.model_batches)
+
+        results = {(w, k): [] for w in args.workers for k in steps}
+        for rep in range(args.reps):
+            order = args.workers if rep % 2 == 0 else args.workers[::-1]
+            for workers in order:
+                for name, (fn, count) in steps.items():
+                    loader = build_train_loader(spec, micro_batch=args.micro_batch,
+                                                global_batch=args.micro_batch, dp_rank=0,
+                                                dp_size=1, consumed_samples=0,
+                                                num_workers=workers)
+                    results[workers, name].append(run(loader, count, fn))
+
+        def med(workers, name, i):
+            return statistics.median(r[i] for r in results[workers, name])
+
+        ref = args.workers[0]
+        head = ("| num_workers | loader samples/s (trivial step) | ratio vs "
+                f"{ref} workers | data wait % ({args.step_ms:g} ms accelerator step) |")
+        if args.model:
+            head += " CPU model step ms | ratio | data wait % (CPU model step) |"
+        print(head)
+        print("|" + " --- |" * (head.count("|") - 1))
         for workers in args.workers:
-            def loader():
-                return build_train_loader(spec, micro_batch=args.micro_batch,
-                                          global_batch=args.micro_batch, dp_rank=0, dp_size=1,
-                                          consumed_samples=0, num_workers=workers)
-            t_loader, _ = run(loader(), args.batches, trivial)
-            t_model, wait = run(loader(), args.model_batches, model_step)
-            rows.append((workers, args.micro_batch / t_loader, t_model, wait))
-        ref_sps, ref_step = rows[0][1], rows[0][2]
-        print("| num_workers | loader samples/s (trivial step) | ratio | model step ms "
-              "| ratio | data wait % |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for workers, sps, step_s, wait in rows:
-            print(f"| {workers} | {sps:,.0f} | {sps / ref_sps:.2f} | {step_s * 1e3:.1f} | "
-                  f"{step_s / ref_step:.2f} | {wait * 100:.1f} |")
+            sps = args.micro_batch / med(workers, "trivial", 0)
+            ref_sps = args.micro_batch / med(ref, "trivial", 0)
+            row = (f"| {workers} | {sps:,.0f} | {sps / ref_sps:.2f} | "
+                   f"{med(workers, 'accelerator', 1) * 100:.1f} |")
+            if args.model:
+                step_s = med(workers, "model", 0)
+                row += (f" {step_s * 1e3:.0f} | {step_s / med(ref, 'model', 0):.2f} | "
+                        f"{med(workers, 'model', 1) * 100:.1f} |")
+            print(row)
 
 
 if __name__ == "__main__":

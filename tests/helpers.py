@@ -1,0 +1,70 @@
+"""Running the real app in tests: `python -m app ...` subprocesses and the `deepspeed` launcher."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Small enough for a few seconds a run on CPU, big enough to learn something.
+TINY = ["--seq-len", "64", "--micro-batch", "4",
+        "--eval-samples", "16", "--wandb", "disabled", "--num-workers", "0"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's environment minus any process-group variables, plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")}
+    env.update({"WANDB_MODE": "disabled", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "",
+                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.update(extra)
+    return env
+
+
+def run_app(*args: str, timeout: int = 600, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """`python -m app ARGS` in a fresh process (a world of one)."""
+    return subprocess.run([sys.executable, "-m", "app", *map(str, args)], cwd=REPO,
+                          env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(*args: str, procs: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N --module app ARGS`: the real launcher, CPU accelerator, N ranks."""
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    cmd = [launcher, "--num_gpus", str(procs), "--no_local_rank", "--master_port",
+           str(free_port()), "--module", "app", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in metrics(run_dir) if "train/loss" in m}
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr lines that are not DeepSpeed's or the launcher's own log lines."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and not line.startswith("[20") and "Warning" not in line
+            and "warnings.warn" not in line]

@@ -1,0 +1,67 @@
+"""Presets: every one builds (geometry checked on the meta device), tiny ones run forward."""
+import pytest
+import torch
+
+from app.model import (PRESETS, build_config, build_model, config_from_dict, count_parameters,
+                       max_positions, objective_of, parse_overrides)
+from data_tools.errors import UserError
+
+SPECIAL = {"pad_token_id": 0}
+# Published sizes with their vocabularies (BERT 30,522; GPT-2 50,257), within 3%.
+EXPECTED_PARAMS = {"bert-120m": (30522, 110e6), "bert-350m": (30522, 335e6),
+                   "gpt-125m": (50257, 124e6), "gpt-350m": (50257, 355e6)}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds(name):
+    vocab = EXPECTED_PARAMS.get(name, (1000, None))[0]
+    config = build_config(name, vocab_size=vocab, special_ids=SPECIAL, dropout=0.0)
+    assert config.vocab_size == vocab and objective_of(config) == PRESETS[name].objective
+    with torch.device("meta"):  # geometry without allocating hundreds of MB
+        model = build_model(config)
+    n = count_parameters(model)
+    if name in EXPECTED_PARAMS:
+        assert n == pytest.approx(EXPECTED_PARAMS[name][1], rel=0.03)
+    else:
+        assert n < 2e6  # tiny presets stay tiny
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(PRESETS) if n.endswith("tiny")])
+def test_tiny_presets_run_forward_backward_with_checkpointing(name):
+    config = build_config(name, vocab_size=300, special_ids=SPECIAL, dropout=0.1)
+    model = build_model(config, gradient_checkpointing=True, seed=0)
+    ids = torch.randint(1, 300, (2, 16))
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and out.logits.shape == (2, 16, 300)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_same_seed_same_weights():
+    config = build_config("bert-tiny", vocab_size=100, special_ids=SPECIAL)
+    a, b = build_model(config, seed=3), build_model(config, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values()))
+
+
+def test_overrides_dropout_and_round_trip():
+    config = build_config("gpt-tiny", vocab_size=500, special_ids={"eos_token_id": 2},
+                          overrides=parse_overrides(["n_layer=3", "n_positions=256"]),
+                          dropout=0.0)
+    assert (config.n_layer, max_positions(config), config.resid_pdrop, config.attn_pdrop) == \
+        (3, 256, 0.0, 0.0)
+    again = config_from_dict(config.to_dict())
+    assert again.n_layer == 3 and type(again) is type(config)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(name="bert-huge"), "unknown preset"),
+    (dict(overrides={"num_layerz": 3}), "no field 'num_layerz'"),
+    (dict(overrides={"vocab_size": 10}), "token ids go up to 99"),
+])
+def test_bad_model_settings(kw, match):
+    settings = dict(name="bert-tiny", vocab_size=100, special_ids=SPECIAL) | kw
+    with pytest.raises(UserError, match=match):
+        build_config(**settings)
+    with pytest.raises(UserError, match="KEY=VALUE"):
+        parse_overrides(["layers"])

@@ -406,3 +406,13 @@ def test_cli_end_to_end_shows_progress_and_summary(dataset, tmp_path):
     assert "MB/s" in r.stderr or "kB/s" in r.stderr  # the tqdm bar
     assert r.stdout.startswith(f"staged {tmp_path / 'dst'}: 10 files")
     assert_same_dataset(dataset, tmp_path / "dst")
+
+
+def test_a_prepared_dataset_stages_and_verifies(mlm_dataset, tmp_path, capsys):
+    """The real `prepare` output (shared fixture), staged, passes `inspect --verify` at dst."""
+    dst = tmp_path / "local"
+    stats = stage(mlm_dataset, dst, progress=False)
+    assert stats.copied_files == stats.files
+    assert (dst / MANIFEST).read_bytes() == (mlm_dataset / MANIFEST).read_bytes()
+    capsys.readouterr()
+    assert data_tools_main(["inspect", str(dst), "--verify"]) == 0

@@ -416,3 +416,19 @@ def test_a_prepared_dataset_stages_and_verifies(mlm_dataset, tmp_path, capsys):
     assert (dst / MANIFEST).read_bytes() == (mlm_dataset / MANIFEST).read_bytes()
     capsys.readouterr()
     assert data_tools_main(["inspect", str(dst), "--verify"]) == 0
+
+
+def test_malformed_manifest_entries_are_refused(tmp_path, capsys):
+    src = make_dataset(tmp_path / "src", shards=2)
+    manifest = json.loads((src / MANIFEST).read_text())
+    manifest["splits"]["train"]["shards"].append(manifest["splits"]["train"]["shards"][0])
+    write_manifest(src, manifest)
+    rc, _, err = cli("--src", str(src), "--dst", str(tmp_path / "d"), capsys=capsys)
+    assert rc == 2
+    one_line_error(err, str(src / MANIFEST), "train_00000.bin twice")
+    manifest["splits"]["train"]["shards"][-1] = {**manifest["splits"]["train"]["shards"][0],
+                                                 "name": "../../etc/x", "bin_bytes": "many"}
+    write_manifest(src, manifest)
+    rc, _, err = cli("--src", str(src), "--dst", str(tmp_path / "d"), capsys=capsys)
+    assert rc == 2
+    one_line_error(err, str(src / MANIFEST))

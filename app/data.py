@@ -277,21 +277,42 @@ def default_num_workers(local_world_size: int = 1) -> int:
     return max(0, min(2, (cores or 1) // max(1, local_world_size) - 1))
 
 
+SAMPLE_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def _pack(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Collate a micro batch into one [3, batch, seq_len] tensor: a worker hands over one
+    shared-memory tensor instead of three, which halves the hand-off (docs/benchmarks.md)."""
+    return torch.stack([torch.stack([s[k] for s in samples]) for k in SAMPLE_KEYS])
+
+
+class MicroBatches:
+    """Iterable of micro-batch dicts over a DataLoader of packed batches (`.loader`)."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for packed in self.loader:
+            yield dict(zip(SAMPLE_KEYS, packed.unbind(0)))  # views: no copy, pinning kept
+
+
 def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_workers: int,
-            pin_memory: bool, prefetch_factor: int) -> DataLoader:
+            pin_memory: bool, prefetch_factor: int) -> MicroBatches:
     if num_workers < 0:
         raise UserError(f"--num-workers {num_workers}: must be 0 or more")
     extra = {}
     if num_workers > 0:
         extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor}
-    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, drop_last=False, **extra)
+    return MicroBatches(DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
+                                   num_workers=num_workers, collate_fn=_pack,
+                                   pin_memory=pin_memory, drop_last=False, **extra))
 
 
 def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, dp_rank: int,
                        dp_size: int, consumed_samples: int, num_workers: int,
                        pin_memory: bool = False, prefetch_factor: int = 4,
-                       manifest: dict | None = None) -> DataLoader:
+                       manifest: dict | None = None) -> MicroBatches:
     """Infinite iterator of this rank's micro batches, starting at global sample `consumed_samples`.
 
     Global batch g = stream positions [g*GBS, (g+1)*GBS); rank r takes the contiguous slice
@@ -308,7 +329,7 @@ def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, d
 
 def build_eval_loader(spec: DataSpec, *, micro_batch: int, dp_rank: int, dp_size: int,
                       max_samples: int | None, num_workers: int, pin_memory: bool = False,
-                      prefetch_factor: int = 4, manifest: dict | None = None) -> DataLoader:
+                      prefetch_factor: int = 4, manifest: dict | None = None) -> MicroBatches:
     """One deterministic pass over (up to `max_samples` of) the split, same masks every time.
 
     Samples in stored order (identity; the val split is already a sample of the corpus); every

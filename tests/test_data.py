@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ from data_tools.errors import UserError
 from data_tools.indexed import ShardWriter, token_dtype
 from data_tools.manifest import (FORMAT, FORMAT_VERSION, file_checksum, load_manifest,
                                  write_manifest)
+from helpers import clean_env, free_port
 
 VOCAB = 500
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
@@ -399,3 +403,39 @@ def test_clm_loader_over_a_prepared_dataset_trains_a_real_gpt(clm_dataset):
     eval_batches = list(build_eval_loader(DataSpec(clm_dataset, "val", 64, "clm"), micro_batch=4,
                                           dp_rank=0, dp_size=2, max_samples=10, num_workers=0))
     assert len(eval_batches) == 2
+
+
+RANK_SCRIPT = '''
+import os, sys, itertools, torch
+sys.path.insert(0, {repo!r})
+from app.data import DataSpec, build_train_loader
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+spec = DataSpec({data!r}, "train", 16, "mlm", seed=3)
+loader = build_train_loader(spec, micro_batch=2, global_batch=8, dp_rank=rank, dp_size=world,
+                            consumed_samples=16, num_workers=1)
+batches = list(itertools.islice(iter(loader), 10))
+torch.save(batches, os.path.join({out!r}, f"rank{{rank}}.pt"))
+'''
+
+
+@pytest.mark.multirank
+def test_ranks_started_by_the_deepspeed_launcher_read_their_slices(small_dataset, tmp_path):
+    """Two real rank processes (each with a loader worker) together read the 1-rank stream."""
+    root, _ = small_dataset
+    repo = str(Path(__file__).resolve().parent.parent)
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT.format(repo=repo, data=str(root), out=str(tmp_path)))
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    proc = subprocess.run([launcher, "--num_gpus", "2", "--no_local_rank", "--master_port",
+                           str(free_port()), str(script)], cwd=repo, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    one = take_batches(build_train_loader(spec(root, objective="mlm"), micro_batch=2,
+                                          global_batch=8, dp_rank=0, dp_size=1,
+                                          consumed_samples=16, num_workers=0), 20)
+    for g in range(5):  # global batch g: rank 0's 2 micro batches, then rank 1's
+        expected = one[4 * g:4 * g + 4]
+        got = ranks[0][2 * g:2 * g + 2] + ranks[1][2 * g:2 * g + 2]
+        for a, b in zip(expected, got):
+            assert all(torch.equal(a[k], b[k]) for k in a)

@@ -293,8 +293,8 @@ class MicroBatches:
         self.loader = loader
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for packed in self.loader:
-            yield dict(zip(SAMPLE_KEYS, packed.unbind(0)))  # views: no copy, pinning kept
+        packed = iter(self.loader)  # now, not at the first next(): workers start here
+        return (dict(zip(SAMPLE_KEYS, p.unbind(0))) for p in packed)  # views, pinning kept
 
 
 def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_workers: int,
@@ -304,9 +304,13 @@ def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_work
     extra = {}
     if num_workers > 0:
         extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor}
+    # A private generator: DataLoader draws its workers' base seed from it on every iter(),
+    # which would otherwise advance the global torch RNG (dropout) and break exact resume.
+    generator = torch.Generator().manual_seed(0)
     return MicroBatches(DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
                                    num_workers=num_workers, collate_fn=_pack,
-                                   pin_memory=pin_memory, drop_last=False, **extra))
+                                   pin_memory=pin_memory, drop_last=False, generator=generator,
+                                   **extra))
 
 
 def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, dp_rank: int,

@@ -439,3 +439,18 @@ def test_ranks_started_by_the_deepspeed_launcher_read_their_slices(small_dataset
         got = ranks[0][2 * g:2 * g + 2] + ranks[1][2 * g:2 * g + 2]
         for a, b in zip(expected, got):
             assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loaders_leave_the_global_torch_rng_alone(small_dataset):
+    """Dropout draws from the global RNG: starting or iterating a loader must not move it."""
+    root, _ = small_dataset
+    before = torch.get_rng_state()
+    for workers in (0, 1):
+        loader = build_train_loader(spec(root, objective="mlm"), micro_batch=2, global_batch=2,
+                                    dp_rank=0, dp_size=1, consumed_samples=0,
+                                    num_workers=workers)
+        take_batches(loader, 3)
+        list(build_eval_loader(spec(root, split="val", seq_len=8, objective="mlm"),
+                               micro_batch=2, dp_rank=0, dp_size=1, max_samples=4,
+                               num_workers=workers))
+    assert torch.equal(torch.get_rng_state(), before)

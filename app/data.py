@@ -268,10 +268,10 @@ class StreamSampler(Sampler[int]):
 
 
 def default_num_workers(local_world_size: int = 1) -> int:
-    """Loader workers per rank: 2, or fewer when the node's cores are shared by many ranks.
+    """Loader workers per rank: 2 when each rank has cores to spare, else fewer (0 = in-process).
 
-    Reading a memory-mapped window and masking it costs well under a millisecond, so a couple of
-    workers keep a training step fed; see docs/benchmarks.md ("loader").
+    A sample costs ~0.15 ms to build but a worker's batch ~1 ms to hand over, so workers help
+    only with idle cores and big batches; two cover a GPU step (docs/benchmarks.md, "loader").
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(0, min(2, (cores or 1) // max(1, local_world_size) - 1))

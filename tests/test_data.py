@@ -454,3 +454,37 @@ def test_loaders_leave_the_global_torch_rng_alone(small_dataset):
                                micro_batch=2, dp_rank=0, dp_size=1, max_samples=4,
                                num_workers=workers))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_sentence_split_shards_from_deepspeeds_builder(tmp_path):
+    """Megatron/DeepSpeed datasets may store a document as several sequences (one per sentence):
+    doc packing follows doc_idx, concat reads the same token stream."""
+    from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import (
+        MMapIndexedDatasetBuilder)
+
+    rng = np.random.default_rng(5)
+    docs = [[rng.integers(5, VOCAB, size=int(rng.integers(1, 6))).tolist() for _ in range(k)]
+            for k in (1, 3, 2, 4)]
+    docs[-1][-1].append(SEP)
+    root = write_dataset(tmp_path / "ds", {"train": [[[7, SEP]]]})  # manifest + tokenizer fields
+    builder = MMapIndexedDatasetBuilder(str(root / "train_00000.bin"), dtype=np.uint16)
+    for doc in docs:
+        for sentence in doc:
+            builder.add_item_numpy(np.array(sentence, dtype=np.uint16))
+        builder.end_document()
+    builder.finalize(str(root / "train_00000.idx"))
+    manifest = load_manifest(root)
+    shard = manifest["splits"]["train"]["shards"][0]
+    shard["bin_bytes"] = (root / "train_00000.bin").stat().st_size
+    write_manifest(root, manifest)
+
+    whole = [[t for s in doc for t in s] for doc in docs]
+    ds = TokenWindows(spec(root, packing="doc", seq_len=32))
+    assert len(ds) == 4
+    got = {ds.sample_index(p): ds[p]["input_ids"][:len(whole[ds.sample_index(p)])].tolist()
+           for p in range(4)}
+    assert got == dict(enumerate(whole))
+    stream = [t for doc in whole for t in doc]
+    concat = TokenWindows(spec(root, seq_len=4))
+    assert sorted(tuple(concat[p]["input_ids"].tolist()) for p in range(len(concat))) == sorted(
+        tuple(stream[i:i + 4]) for i in range(0, len(stream) - 3, 4))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -102,7 +103,7 @@ def _start_wandb(run_dir: Path, mode: str, run_config: dict, project: str, run_n
     id_file.parent.mkdir(parents=True, exist_ok=True)
     run_id = id_file.read_text().strip() if id_file.is_file() else None
     if not run_id:
-        run_id = wandb.util.generate_id()
+        run_id = secrets.token_hex(4)  # wandb's id alphabet; kept so a resume continues it
         id_file.write_text(run_id + "\n")
     return wandb.init(project=project, name=run_name, id=run_id, resume="allow",
                       dir=str(run_dir), mode=mode, config=run_config)

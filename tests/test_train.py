@@ -1,0 +1,141 @@
+"""`app train` on one rank, as a real process: learning, run directory, resume, bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from app.__main__ import main as app_main
+from tests.helpers import TINY, check, metrics, run_app, train_losses
+
+pytestmark = pytest.mark.slow
+
+METRIC_NAMES = {"step", "consumed_samples", "tokens_seen", "train/loss", "train/lr",
+                "train/grad_norm", "perf/tokens_per_sec", "perf/samples_per_sec",
+                "perf/step_time_ms", "perf/data_wait_pct", "sys/mem_gb", "sys/max_mem_gb"}
+
+
+@pytest.fixture(scope="module")
+def mlm_run(mlm_dataset, tmp_path_factory):
+    """40 steps of bert-tiny on the stdlib corpus, with a real (offline) wandb run."""
+    run = tmp_path_factory.mktemp("runs") / "mlm"
+    proc = check(run_app("train", "--data", mlm_dataset, "--out", run, *TINY,
+                         "--micro-batch", "8", "--lr", "2e-3", "--max-steps", "40",
+                         "--log-every", "5", "--eval-every", "20", "--save-every", "10",
+                         "--keep-last", "2", "--wandb", "offline"))
+    return run, proc
+
+
+def test_loss_falls_on_the_stdlib_corpus(mlm_run):
+    run, _ = mlm_run
+    losses = train_losses(run)
+    assert sorted(losses) == list(range(5, 41, 5))
+    assert losses[40] < losses[5] - 1.0, losses
+    evals = [m["eval/loss"] for m in metrics(run) if "eval/loss" in m]
+    assert len(evals) == 2 and evals[1] < evals[0]
+
+
+def test_run_directory_follows_the_design(mlm_run, mlm_dataset):
+    run, proc = mlm_run
+    logged = metrics(run)
+    assert METRIC_NAMES <= set(logged[0])
+    evals = [m for m in logged if "eval/loss" in m]
+    assert {"eval/loss", "eval/accuracy", "eval/perplexity"} <= set(evals[-1])
+    assert logged[-1]["tokens_seen"] == 40 * 8 * 64 and logged[-1]["consumed_samples"] == 320
+    config = json.loads((run / "config.json").read_text())
+    assert config["batch"] == {"micro_batch": 8, "grad_accum": 1, "global_batch": 8,
+                               "global_batch_tokens": 512}
+    assert config["precision"] == "fp32" and config["zero_stage"] == 0
+    assert config["ds_config"]["optimizer"]["params"]["lr"] == 2e-3
+    assert config["data"]["read_from"] == str(mlm_dataset)
+    assert config["environment"]["world_size"] == 1
+    assert config["environment"]["device"]["name"] == "cpu"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["tokens_per_sec"] > 0
+    assert summary["best_eval_loss"] == min(m["eval/loss"] for m in evals)
+    tags = sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir())
+    assert tags == ["global_step30", "global_step40"]  # keep-last 2
+    assert (run / "checkpoints" / "latest").read_text().strip() == "global_step40"
+    assert list((run / "wandb").glob("offline-run-*")), "no offline wandb run"
+    assert "step     40 | loss" in proc.stderr  # console line
+
+
+def test_resume_continues_exactly(mlm_dataset, tmp_path):
+    """N steps straight vs N/2, stop, resume: same per-step losses (dropout on: RNG restored)."""
+    common = ["--data", mlm_dataset, *TINY, "--max-steps", "6", "--grad-accum", "2",
+              "--dropout", "0.1", "--log-every", "1", "--eval-every", "2", "--num-workers", "1"]
+    check(run_app("train", *common, "--out", tmp_path / "straight"))
+    check(run_app("train", *common, "--out", tmp_path / "split", "--stop-at-step", "3"))
+    assert max(train_losses(tmp_path / "split")) == 3
+    proc = check(run_app("train", *common, "--out", tmp_path / "split"))
+    assert "resumed from" in proc.stderr
+    straight, split = train_losses(tmp_path / "straight"), train_losses(tmp_path / "split")
+    assert sorted(split) == list(range(1, 7))
+    for step in straight:
+        assert split[step] == pytest.approx(straight[step], abs=1e-6), step
+    assert len({round(v, 6) for v in straight.values()}) == 6  # the losses do move
+
+    # the same checkpoint on another dataset is refused, before any training
+    other = tmp_path / "other_data"
+    shutil.copytree(mlm_dataset, other)
+    manifest = json.loads((other / "dataset.json").read_text())
+    manifest["fingerprint"] = "xxh3_128:" + "0" * 32
+    (other / "dataset.json").write_text(json.dumps(manifest))
+    refused = run_app("train", *common[2:], "--data", other, "--out", tmp_path / "split",
+                      "--max-steps", "8")
+    assert refused.returncode == 2 and "refusing to resume on different data" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def one_line_error(capsys, argv) -> str:
+    rc = app_main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert rc == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--model", "bert-huge"], "unknown preset"),
+    (["--zero", "7"], "ZeRO stages"),
+    (["--micro-batch", "0"], "--micro-batch 0"),
+    (["--seq-len", "1024"], "above the 512 positions"),
+    (["--model-arg", "vocab_size=100"], "token ids go up to"),
+    (["--objective", "clm", "--model", "bert-tiny"], "encoder"),
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--max-steps", "-3"], "--max-steps -3"),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, mlm_dataset, tmp_path, extra, match):
+    line = one_line_error(capsys, ["train", "--data", mlm_dataset, "--out", tmp_path / "r",
+                                   *extra])
+    assert match in line
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
+def test_bad_paths_exit_2_with_one_line(capsys, mlm_dataset, tmp_path):
+    run = tmp_path / "r"
+    assert "no such dataset directory" in one_line_error(
+        capsys, ["train", "--data", tmp_path / "nope", "--out", run])
+    incomplete = tmp_path / "incomplete"
+    incomplete.mkdir()
+    assert "no dataset.json" in one_line_error(capsys, ["train", "--data", incomplete,
+                                                        "--out", run])
+    bad_json = tmp_path / "ds.json"
+    bad_json.write_text('{"zero_optimization": {"stage": 1},,}')
+    assert f"{bad_json}: line 1" in one_line_error(
+        capsys, ["train", "--data", mlm_dataset, "--out", run, "--ds-config", bad_json])
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    assert "no checkpoint there" in one_line_error(
+        capsys, ["train", "--data", mlm_dataset, "--out", run, "--resume", empty])
+    assert not run.exists()
+
+
+def test_an_existing_run_is_not_replaced_silently(capsys, mlm_run, mlm_dataset):
+    run, _ = mlm_run
+    line = one_line_error(capsys, ["train", "--data", mlm_dataset, "--out", run,
+                                   "--resume", "never"])
+    assert "holds a previous run" in line and "--overwrite" in line
+    assert (run / "checkpoints" / "latest").is_file()

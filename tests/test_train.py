@@ -89,7 +89,10 @@ def test_resume_continues_exactly(mlm_dataset, tmp_path):
 
 
 def one_line_error(capsys, argv) -> str:
-    rc = app_main([str(a) for a in argv])
+    try:
+        rc = app_main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own errors exit from inside the parser
+        rc = e.code
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "error:" in line]
     assert rc == 2, err

@@ -130,7 +130,7 @@ class Corpus:
         return "strict" if self.strict else "dspretrain.count"
 
     def pieces(self) -> Iterator[tuple[str, bool]]:
-        """(text, is_last_piece_of_its_document), documents in order. Empty documents are skipped."""
+        """(text, is_last_piece_of_its_document), documents in order; empty ones skipped."""
         start = _replaced
         for path in self.files:
             self.stats.files += 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +72,7 @@ class ShardWriter:
 
     Each document is one sequence (as Megatron's preprocess_data.py writes it without sentence
     splitting); the caller appends the end-of-document token itself. Only the per-document sizes
-    stay in memory (4 bytes a document).
+    stay in memory (8 bytes a document).
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype, code_convention: str = "deepspeed"):
@@ -79,7 +80,7 @@ class ShardWriter:
         self.dtype = np.dtype(dtype)
         self.code = dtype_code(self.dtype, code_convention)
         self._bin = open(bin_path(prefix), "wb", buffering=_WRITE_BUFFER)
-        self._sizes: list[int] = []
+        self._sizes = array("q")  # 8 bytes a document, not a Python int object each
         self._open_size = 0
         self.num_tokens = 0
 
@@ -109,7 +110,7 @@ class ShardWriter:
         if fsync:
             os.fsync(self._bin.fileno())
         self._bin.close()
-        sizes = np.asarray(self._sizes, dtype=np.int64)
+        sizes = np.frombuffer(self._sizes, dtype=np.int64) if self._sizes else np.zeros(0, np.int64)
         if sizes.size and sizes.max() > np.iinfo(np.int32).max:
             raise ValueError(f"{self.prefix}: a document longer than 2^31 tokens")
         pointers = np.zeros(sizes.size, dtype=np.int64)

@@ -23,7 +23,7 @@ _CHUNK = 8 << 20  # a multiple of every token size
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, help="dataset directory (holds dataset.json)")
     p.add_argument("--verify", action="store_true",
-                   help="recompute checksums, check each .idx against its .bin and token ids < vocab")
+                   help="recompute checksums, check each .idx against its .bin, token ids < vocab")
     p.add_argument("--decode", type=int, default=0, metavar="N",
                    help="print the first N documents of the train split as text")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (for scripts)")
@@ -43,7 +43,8 @@ def summary(d: Path, m: dict[str, Any]) -> dict[str, Any]:
             "eod_token_id": m["eod_token_id"], "tokenizer_kind": tok.get("kind"),
             "tokenizer_fingerprint": tok.get("fingerprint"), "fingerprint": m.get("fingerprint"),
             "splits": splits, "input_bytes": m.get("input_bytes"),
-            "output_bytes": m.get("output_bytes"), "size_reduction_pct": m.get("size_reduction_pct"),
+            "output_bytes": m.get("output_bytes"),
+            "size_reduction_pct": m.get("size_reduction_pct"),
             "created_at": m.get("created_at"), "command": m.get("command")}
 
 

@@ -27,6 +27,8 @@ import shutil
 import signal
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from datetime import datetime, timezone
 from itertools import chain
 from pathlib import Path
@@ -53,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", required=True, type=Path, help="Hugging Face tokenizer directory")
     p.add_argument("--out", required=True, type=Path, help="dataset directory to write")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="tokenizer processes (default: all cores); the output does not depend on it")
+                   help="tokenizer processes (default: all cores); output does not depend on it")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
                    help="share of documents for the val split (0: no val split)")
     p.add_argument("--text-key", default="text", help="JSONL key holding the text")
@@ -323,40 +325,44 @@ class Preparer:
 
     def tokenize_all(self) -> None:
         workers = self.args.workers
-        ctx = multiprocessing.get_context("spawn")  # no fork after threads (tqdm, tokenizers)
         init = (self.tok.backend_json, self.tok.eod_token_id, self.tok.dtype.name)
         inflight: deque = deque()
         done_bytes = 0
         t0 = time.perf_counter()
         bar = tqdm(total=self.corpus.input_bytes, unit="B", unit_scale=True, unit_divisor=1000,
                    desc="prepare", dynamic_ncols=True, smoothing=0.1)
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=init)
+        # spawn: no fork after threads (tqdm, tokenizers); an executor, unlike Pool, reports a
+        # worker killed by the OOM killer instead of waiting for its result forever.
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=init)
         try:
             batches = _batches(self.corpus, self.args.batch_chars)
             exhausted = False
             while True:
+                # A few batches in flight: workers never wait for the parent, memory stays bounded.
                 while not exhausted and len(inflight) < 2 * workers + 1:
                     item = next(batches, None)
                     if item is None:
                         exhausted = True
                         break
                     texts, lasts, read_bytes = item
-                    inflight.append((pool.apply_async(encode_batch, (texts, lasts)), lasts,
-                                     read_bytes))
+                    inflight.append((pool.submit(encode_batch, texts, lasts), lasts, read_bytes))
                 if not inflight:
                     break
-                result, lasts, read_bytes = inflight.popleft()
-                flat, lengths = result.get()
+                future, lasts, read_bytes = inflight.popleft()
+                try:
+                    flat, lengths = future.result()
+                except BrokenProcessPool:
+                    raise UserError("a tokenizer worker process died (killed, or out of memory?); "
+                                    "try fewer --workers") from None
                 self.write(flat, lengths, lasts)
                 bar.update(read_bytes - done_bytes)
                 done_bytes = read_bytes
                 secs = max(time.perf_counter() - t0, 1e-9)
                 bar.set_postfix_str(f"docs={self.documents} tok/s={self.tokens / secs:,.0f}",
                                     refresh=False)
-            pool.close()
         finally:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
             bar.close()
 
     def abort(self) -> None:

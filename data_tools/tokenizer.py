@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-key", default="text", help="JSONL key holding the text")
     p.add_argument("--include", default=DEFAULT_INCLUDE,
                    help="comma-separated globs for directory walks; other patterns read as text")
-    p.add_argument("--lowercase", action="store_true", help="lowercase and strip accents (WordPiece)")
+    p.add_argument("--lowercase", action="store_true",
+                   help="lowercase and strip accents (WordPiece)")
     p.add_argument("--model-max-length", type=int, default=None,
                    help="longest sequence the model takes (default 512 wordpiece, 1024 bpe)")
     p.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error, not replaced")

@@ -51,7 +51,7 @@ def run_data_tools(*argv: str) -> None:
 
 @pytest.fixture(scope="session")
 def stdlib_dir(tmp_path_factory) -> Path:
-    """A deterministic subset of the running Python's stdlib sources (read with --include '*.py')."""
+    """A deterministic subset of the running Python's stdlib sources (use --include '*.py')."""
     root = tmp_path_factory.mktemp("stdlib")
     for pkg in STDLIB_PACKAGES:
         for src in sorted((STDLIB / pkg).rglob("*.py")):

@@ -9,6 +9,7 @@ The result is a Hugging Face directory that `AutoTokenizer.from_pretrained(DIR)`
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import tempfile
@@ -141,6 +142,8 @@ def save(fast, out: Path, overwrite: bool) -> None:
                 raise UserError(f"{out}: already exists (use --overwrite to replace it)")
         os.replace(tmp, out)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise UserError(f"out of disk space writing the tokenizer to {out}") from None
         raise UserError(f"{out}: cannot write the tokenizer ({e.strerror or e})") from None
     finally:
         if tmp.exists():

@@ -91,6 +91,14 @@ def test_bad_flags(tmp_path, stdlib_dir, one_line_error, extra, needles):
     assert not (tmp_path / "t").exists()
 
 
+def test_malformed_jsonl_names_file_and_line(tmp_path, one_line_error):
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"text": "fine"}\n{"text": "fine"}\n{oops\n')
+    assert data_tools_main(["tokenizer", "--input", str(src), "--out", str(tmp_path / "t")]) == 2
+    one_line_error(f"{src}:3", "malformed JSON")
+    assert not (tmp_path / "t").exists()
+
+
 def test_missing_input_and_empty_corpus(tmp_path, one_line_error):
     assert data_tools_main(["tokenizer", "--input", str(tmp_path / "nope"),
                             "--out", str(tmp_path / "t")]) == 2

@@ -30,7 +30,8 @@ LOGITS_TOLERANCE = 1e-4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory of app train")
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                        help="a run directory of app train")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR",
                         help="directory to write (config.json, model.safetensors, tokenizer)")
     parser.add_argument("--tag", help="checkpoint tag to export (default: the latest)")

@@ -26,7 +26,8 @@ from app.engine import (World, all_gather_object, barrier, fill_auto, init_distr
                         initialize, load_ds_config, settle_precision, versions, world_from_env,
                         zero_config_path, zero_stage)
 from app.metrics import METRICS, MetricsLogger, wandb_mode
-from app.model import build_config, build_model, count_parameters, max_positions, preset
+from app.model import (build_config, build_model, count_parameters, max_positions,
+                       parse_overrides, preset)
 from app.schedule import schedule_fn
 from app.trainer import REFERENCE, Schedule, Trainer, TrainState
 from data_tools.errors import UserError
@@ -72,7 +73,6 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     if objective != p.objective:
         raise UserError(f"--objective {objective}: preset {cfg.model_name} is "
                         f"{'an encoder (mlm)' if p.objective == 'mlm' else 'a decoder (clm)'}")
-    from app.model import parse_overrides
     eod = manifest["eod_token_id"]
     special = {"pad_token_id": manifest.get("pad_token_id")}
     if objective == "clm":
@@ -217,6 +217,11 @@ def run(args: argparse.Namespace) -> int:
 
     run_config = describe_run(plan, engine, world, data_dir, n_params, threads)
     if world.is_main:
+        print(f"model: {cfg.model_name} ({plan.objective}), {n_params / 1e6:.2f}M parameters, "
+              f"{plan.precision}, ZeRO-{zero_stage(plan.ds_config)}, {world.world_size} rank(s) "
+              f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
+              f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
+              file=sys.stderr)
         write_json_atomic(cfg.out / RUN_CONFIG, run_config)
         tok_src = data_dir / plan.manifest["tokenizer"].get("dir", TOKENIZER_DIR)
         if tok_src.is_dir():
@@ -275,19 +280,20 @@ def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: Train
     workers = (cfg.num_workers if cfg.num_workers is not None
                else default_num_workers(world.local_world_size))
     pin = plan.device.pin_memory
+    micro = engine.train_micro_batch_size_per_gpu()  # read back: the engine owns batch sizes
 
     def spec(split: str) -> DataSpec:
         return DataSpec(data_dir, split, cfg.seq_len, plan.objective, cfg.packing, cfg.seed,
                         cfg.mask_prob)
 
     def train_batches(consumed: int):
-        return build_train_loader(spec("train"), micro_batch=engine.train_micro_batch_size_per_gpu(),
+        return build_train_loader(spec("train"), micro_batch=micro,
                                   global_batch=engine.train_batch_size(), dp_rank=world.rank,
                                   dp_size=world.world_size, consumed_samples=consumed,
                                   num_workers=workers, pin_memory=pin)
 
     def eval_batches():
-        return build_eval_loader(spec("val"), micro_batch=engine.train_micro_batch_size_per_gpu(),
+        return build_eval_loader(spec("val"), micro_batch=micro,
                                  dp_rank=world.rank, dp_size=world.world_size,
                                  max_samples=cfg.eval_samples, num_workers=0, pin_memory=pin)
 

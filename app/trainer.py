@@ -55,7 +55,8 @@ class Schedule:
 class Trainer:
     def __init__(self, *, engine, world: World, device: torch.device, schedule: Schedule,
                  state: TrainState, seq_len: int, objective: str,
-                 train_batches: Callable[[int], Iterable], eval_batches: Callable[[], Iterable] | None,
+                 train_batches: Callable[[int], Iterable],
+                 eval_batches: Callable[[], Iterable] | None,
                  logger: MetricsLogger, ckpt_dir: Path, checkpoint_extra: dict[str, Any],
                  run_dir: Path):
         self.engine, self.world, self.device = engine, world, device
@@ -105,7 +106,8 @@ class Trainer:
     def train_step(self) -> None:
         """One optimizer step: grad_accum micro steps; DeepSpeed steps at the boundary."""
         s = self.state
-        log_now = (s.step + 1) % self.schedule.log_every == 0 or s.step + 1 == self.schedule.stop_step
+        upcoming = s.step + 1
+        log_now = upcoming % self.schedule.log_every == 0 or upcoming == self.schedule.stop_step
         self._lr = self.engine.get_lr()[0]  # the LR this step applies
         for micro in range(self.grad_accum):
             t0 = time.perf_counter()

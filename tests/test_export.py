@@ -1,4 +1,4 @@
-"""`app export`: HF model directories that from_pretrained loads, with the trained model's logits."""
+"""`app export`: HF model dirs that from_pretrained loads, with the trained model's logits."""
 from __future__ import annotations
 
 import json

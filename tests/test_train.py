@@ -142,3 +142,30 @@ def test_an_existing_run_is_not_replaced_silently(capsys, mlm_run, mlm_dataset):
                                    "--resume", "never"])
     assert "holds a previous run" in line and "--overwrite" in line
     assert (run / "checkpoints" / "latest").is_file()
+
+
+def test_plan_settles_the_run_before_any_process_group(mlm_dataset, tmp_path):
+    """Token budget -> steps, default warmup, ds_config filled from the flags (no training)."""
+    import argparse
+
+    from app.config import TrainConfig, add_arguments
+    from app.device import detect
+    from app.engine import World
+    from app.train import plan_run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--data", str(mlm_dataset), "--out", str(tmp_path / "r"),
+                              "--seq-len", "64", "--micro-batch", "4", "--global-batch", "16",
+                              "--max-steps", "100", "--max-tokens", "5000", "--lr", "3e-4",
+                              "--zero", "2"])
+    plan = plan_run(TrainConfig.from_args(args), detect(), World(0, 2, 0, 2))
+    assert (plan.micro_batch, plan.grad_accum, plan.global_batch) == (4, 2, 16)
+    assert plan.total_steps == 5  # ceil(5000 tokens / (16 x 64 tokens a step))
+    assert plan.warmup_steps == 1 and plan.precision == "fp32" and plan.has_eval
+    ds = plan.ds_config
+    assert ds["train_batch_size"] == 16 and ds["zero_optimization"]["stage"] == 2
+    assert ds["optimizer"]["params"]["lr"] == 3e-4 and ds["bf16"]["enabled"] is False
+    assert plan.model_config.vocab_size == json.loads(
+        (mlm_dataset / "dataset.json").read_text())["vocab_size"]
+    assert not (tmp_path / "r").exists()

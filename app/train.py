@@ -188,11 +188,14 @@ def run(args: argparse.Namespace) -> int:
     device = detect()
     threads = set_cpu_threads(device)
     plan = plan_run(cfg, device, world_from_env())
-    world = init_distributed(device)
-    if world.is_main:
+    if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         if cfg.overwrite and plan.resume is None:
             clear_run_dir(cfg.out)
-        cfg.out.mkdir(parents=True, exist_ok=True)
+        try:
+            cfg.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--out {cfg.out}: cannot create ({e.strerror})") from None
+    world = init_distributed(device)
     barrier()
     data_dir = stage_data(cfg, world) if cfg.stage_to else cfg.data
 

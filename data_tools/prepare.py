@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import fnmatch
 import json
 import math
 import multiprocessing
@@ -47,6 +48,10 @@ DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_SHARD_TOKENS = 1_000_000_000
 BATCH_CHARS = 1 << 20
 _DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+# What a tokenizer directory may hold that belongs to the tokenizer (copied into the dataset).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "*.model",
+                   "chat_template.*")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,6 +126,7 @@ class TokenizerInfo:
         self.special_ids = {f"{n}_token_id": _int_or_none(ids[n])
                             for n in ("pad", "mask", "cls", "bos")}
         self.dtype = token_dtype(self.vocab_size)
+        self.files = self._read_files()
 
     @staticmethod
     def _read_config(directory: Path) -> dict[str, Any]:
@@ -155,14 +161,24 @@ class TokenizerInfo:
             raise UserError(f"{directory}: only fast (tokenizers-backed) tokenizers are supported")
         return tok
 
-    def copy_to(self, dest: Path) -> list[dict[str, Any]]:
-        """Copy the tokenizer's files into the dataset (so it is self-contained); list them."""
-        dest.mkdir(parents=True)
+    def _read_files(self) -> dict[str, bytes]:
+        """The tokenizer's own files (not a model's weights next to them), held in memory so
+        that `--tokenizer DIR/tokenizer --out DIR --overwrite` survives clearing DIR."""
+        files = {}
         for f in sorted(self.directory.iterdir()):
-            if f.is_file():
-                shutil.copyfile(f, dest / f.name)
-        if not (dest / "tokenizer.json").is_file():
-            (dest / "tokenizer.json").write_text(self.backend_json, encoding="utf-8")
+            if f.is_file() and any(fnmatch.fnmatch(f.name, g) for g in TOKENIZER_FILES):
+                try:
+                    files[f.name] = f.read_bytes()
+                except OSError as e:
+                    raise UserError(f"{f}: cannot read ({e.strerror})") from None
+        files.setdefault("tokenizer.json", self.backend_json.encode("utf-8"))
+        return files
+
+    def copy_to(self, dest: Path) -> list[dict[str, Any]]:
+        """Write the tokenizer's files into the dataset (so it is self-contained); list them."""
+        dest.mkdir(parents=True)
+        for name, data in self.files.items():
+            (dest / name).write_bytes(data)
         return [{"name": f.name, "bytes": f.stat().st_size, "checksum": mf.file_checksum(f)}
                 for f in sorted(dest.iterdir()) if f.is_file()]
 

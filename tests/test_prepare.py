@@ -8,6 +8,7 @@ import gzip
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -290,6 +291,22 @@ def test_existing_dataset_is_refused_unless_overwrite(tmp_path, stdlib_dir, word
     assert prepare(*args[:-4], "--out", stranger) == 2
     one_line_error(str(stranger), "not empty and not a dataset")
     assert [p.name for p in stranger.iterdir()] == ["notes.txt"]
+
+
+def test_overwrite_with_the_datasets_own_tokenizer_copy(tmp_path, stdlib_dir, bpe_tokenizer):
+    """The tokenizer copy inside DIR is read before DIR is cleared; weights next to a tokenizer
+    (a model directory) are not copied into the dataset."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(bpe_tokenizer, model_dir)
+    (model_dir / "model.safetensors").write_bytes(b"\0" * 1024)
+    args = ["--input", stdlib_dir / "json", "--include", "*.py", "--workers", "1"]
+    assert prepare(*args, "--tokenizer", model_dir, "--out", tmp_path / "d") == 0
+    first = shard_bytes(tmp_path / "d")
+    assert sorted(p.name for p in (tmp_path / "d" / "tokenizer").iterdir()) == \
+        ["tokenizer.json", "tokenizer_config.json"]
+    assert prepare(*args, "--tokenizer", tmp_path / "d" / "tokenizer", "--out", tmp_path / "d",
+                   "--overwrite") == 0
+    assert shard_bytes(tmp_path / "d") == first
 
 
 @pytest.mark.parametrize("flag,value", [("--val-fraction", "1.5"), ("--workers", "0"),

@@ -5,6 +5,10 @@ BERT's (special tokens [PAD] [UNK] [CLS] [SEP] [MASK], a [CLS] A [SEP] post-proc
 `pipeline("fill-mask")` works); BPE is GPT-2's byte-level one (`<|endoftext|>` as bos/eos/unk plus a
 `<|pad|>` token). Neither lowercases or strips accents unless asked: case carries meaning in code.
 The result is a Hugging Face directory that `AutoTokenizer.from_pretrained(DIR)` loads offline.
+
+Reproducibility: byte-level BPE training gives the same tokenizer.json on every run; WordPiece
+training does not (the `##` tokens get ids in hash-map order, which also breaks merge ties:
+huggingface/tokenizers#1794). That is why a dataset keeps its own copy of the tokenizer.
 """
 from __future__ import annotations
 

@@ -240,6 +240,14 @@ def test_missing_or_unreadable_inputs_and_empty_corpus(tmp_path, wordpiece_token
                    "--workers", "1") == 2
     one_line_error("empty corpus")
     assert not out.exists()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert prepare("--input", fifo, "--tokenizer", wordpiece_tokenizer, "--out", out) == 2
+    one_line_error(str(fifo), "not a regular file or directory")
+
+
+def test_unreadable_input(tmp_path, wordpiece_tokenizer, one_line_error):
+    out = tmp_path / "out"
     locked = tmp_path / "locked.txt"
     locked.write_text("secret")
     locked.chmod(0)

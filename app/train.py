@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     data_dir = stage_data(cfg, world) if cfg.stage_to else cfg.data
 
     model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
-                        seed=cfg.seed)
+                        seed=cfg.seed, sparse_mlm_head=True)
     n_params = count_parameters(model)
     lr_lambda = schedule_fn(warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
                             decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)

@@ -65,3 +65,21 @@ def test_bad_model_settings(kw, match):
         build_config(**settings)
     with pytest.raises(UserError, match="KEY=VALUE"):
         parse_overrides(["layers"])
+
+
+def test_sparse_mlm_head_gives_the_same_loss_and_gradients():
+    config = build_config("bert-tiny", vocab_size=500, special_ids=SPECIAL, dropout=0.0)
+    dense = build_model(config, seed=1)
+    sparse = build_model(config, seed=1, sparse_mlm_head=True)
+    ids = torch.randint(1, 500, (3, 32))
+    labels = torch.where(torch.rand(3, 32) < 0.15, ids, torch.full_like(ids, -100))
+    a = dense(input_ids=ids, labels=labels).loss
+    b = sparse(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(a, b)
+    a.backward()
+    b.backward()
+    for p, q in zip(dense.parameters(), sparse.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    # without labels it is the plain model (eval, export); no labelled token: loss 0, not NaN
+    torch.testing.assert_close(sparse(input_ids=ids).logits, dense(input_ids=ids).logits)
+    assert sparse(input_ids=ids, labels=torch.full_like(ids, -100)).loss.item() == 0.0

@@ -85,8 +85,12 @@ def verify(d: Path, m: dict[str, Any], show_progress: bool = True) -> list[str]:
     """Every problem found, one line each naming the file (empty: the dataset is intact)."""
     problems: list[str] = []
     files = mf.dataset_files(m)
-    dtype = np.dtype(m["dtype"])
-    vocab = int(m["vocab_size"])
+    try:
+        dtype = np.dtype(m["dtype"])
+        vocab = int(m["vocab_size"])
+    except (TypeError, ValueError):
+        raise UserError(f"{d / mf.MANIFEST}: key 'dtype' or 'vocab_size' is not valid "
+                        f"({m['dtype']!r}, {m['vocab_size']!r})") from None
     with tqdm(total=sum(f[1] for f in files), unit="B", unit_scale=True, desc="verify",
               disable=not show_progress, dynamic_ncols=True) as bar:
         for rel, size, checksum in files:

@@ -199,6 +199,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("stage_to", type=Path, metavar="DIR")
     add("wandb", choices=WANDB_MODES)
     add("wandb_project", metavar="NAME")
+    # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in
+    # the environment says the same, so the flag is accepted and ignored.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
 
 
 def _field_docs() -> dict[str, str]:

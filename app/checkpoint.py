@@ -89,10 +89,15 @@ def check_resumable(state: dict[str, Any], *, fingerprint: str, model_config: di
     saved = state.get("model_config", {})
     model_config = json.loads(json.dumps(model_config))  # as saved: string keys, lists
     for key, value in model_config.items():
-        if key in saved and saved[key] != value and not key.startswith("_") and key not in (
-                "transformers_version", "attn_implementation", "dtype", "torch_dtype"):
+        if key in saved and saved[key] != value and not _may_change(key):
             raise UserError(f"{where}: model field '{key}' is {saved[key]!r} in the checkpoint "
                             f"and {value!r} now: refusing to resume into another model")
+
+
+def _may_change(key: str) -> bool:
+    """Config fields a resume may change: dropout, kernels, bookkeeping (not the geometry)."""
+    return (key.startswith("_") or "dropout" in key or "pdrop" in key or key in (
+        "transformers_version", "attn_implementation", "dtype", "torch_dtype", "use_cache"))
 
 
 def rng_state() -> dict[str, Any]:

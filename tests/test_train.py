@@ -169,3 +169,19 @@ def test_plan_settles_the_run_before_any_process_group(mlm_dataset, tmp_path):
     assert plan.model_config.vocab_size == json.loads(
         (mlm_dataset / "dataset.json").read_text())["vocab_size"]
     assert not (tmp_path / "r").exists()
+
+
+def test_resume_checks_geometry_but_lets_dropout_change(tmp_path):
+    from app.checkpoint import check_resumable
+    from data_tools.errors import UserError
+
+    saved = {"dataset_fingerprint": "xxh3_128:aa",
+             "model_config": {"num_hidden_layers": 2, "hidden_dropout_prob": 0.1,
+                              "id2label": {"0": "LABEL_0"}}}
+    now = {"num_hidden_layers": 2, "hidden_dropout_prob": 0.0, "id2label": {0: "LABEL_0"}}
+    check_resumable(saved, fingerprint="xxh3_128:aa", model_config=now, where=tmp_path)
+    with pytest.raises(UserError, match="num_hidden_layers"):
+        check_resumable(saved, fingerprint="xxh3_128:aa",
+                        model_config=now | {"num_hidden_layers": 4}, where=tmp_path)
+    with pytest.raises(UserError, match="different data"):
+        check_resumable(saved, fingerprint="xxh3_128:bb", model_config=now, where=tmp_path)

@@ -7,7 +7,7 @@ recorded next to this config in RUN_DIR/config.json.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -168,9 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     def add(name: str, **kw: Any) -> None:
         default = defaults.get(name)
-        if default is not None and not isinstance(default, type(field)) and "default" not in kw:
+        if default is not None and default is not MISSING and "default" not in kw:
             kw["default"] = default
-        help_text = docs.get(name, "")
+        help_text = docs.get(name, "").replace("%", "%%")  # argparse formats help with %
         if kw.get("default") not in (None, False) and "action" not in kw:
             help_text += f" (default {kw['default']})"
         parser.add_argument(f"--{_flag(name)}", dest=name, help=help_text, **kw)

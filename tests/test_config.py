@@ -131,3 +131,14 @@ def test_batch_geometry():
     with pytest.raises(UserError, match="disagrees"):
         batch_geometry(parse("--micro-batch", "4", "--global-batch", "32", "--grad-accum", "2"),
                        2)
+
+
+def test_help_lists_the_flags(capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "--zero N" in out and "--stage-to DIR" in out and "(default 128)" in out
+    assert "MISSING" not in out

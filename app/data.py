@@ -280,21 +280,38 @@ def default_num_workers(local_world_size: int = 1) -> int:
 SAMPLE_KEYS = ("input_ids", "attention_mask", "labels")
 
 
-def _pack(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """Collate a micro batch into one [3, batch, seq_len] tensor: a worker hands over one
-    shared-memory tensor instead of three, which halves the hand-off (docs/benchmarks.md)."""
+def _pack(samples: list[dict[str, torch.Tensor]]) -> np.ndarray:
+    """Collate a micro batch into one int32 [3, batch, seq_len] array.
+
+    A worker hands over one small numpy array, pickled through the worker's pipe: ~1 ms on CPU,
+    where a tensor (a shared-memory file and a passed descriptor per storage) took ~2-3 ms
+    (docs/benchmarks.md, "loader"). Ids and labels (-100) fit in int32.
+    """
+    return np.stack([np.stack([s[k].numpy() for s in samples]) for k in SAMPLE_KEYS]
+                    ).astype(np.int32, copy=False)
+
+
+def _pack_pinned(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """As `_pack`, as an int64 tensor: DataLoader's pinning thread pins it off the training
+    thread, and nothing converts it afterwards (a conversion would lose the pinning)."""
     return torch.stack([torch.stack([s[k] for s in samples]) for k in SAMPLE_KEYS])
 
 
 class MicroBatches:
-    """Iterable of micro-batch dicts over a DataLoader of packed batches (`.loader`)."""
+    """Iterable of micro-batch dicts (int64 tensors) over a DataLoader of packed batches."""
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         packed = iter(self.loader)  # now, not at the first next(): workers start here
-        return (dict(zip(SAMPLE_KEYS, p.unbind(0))) for p in packed)  # views, pinning kept
+        return (_unpack(p) for p in packed)
+
+
+def _unpack(packed: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
+    if isinstance(packed, np.ndarray):
+        packed = torch.from_numpy(packed).to(torch.int64)  # as embeddings and losses expect
+    return dict(zip(SAMPLE_KEYS, packed.unbind(0)))  # views: pinning kept
 
 
 def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_workers: int,
@@ -308,7 +325,8 @@ def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_work
     # which would otherwise advance the global torch RNG (dropout) and break exact resume.
     generator = torch.Generator().manual_seed(0)
     return MicroBatches(DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
-                                   num_workers=num_workers, collate_fn=_pack,
+                                   num_workers=num_workers,
+                                   collate_fn=_pack_pinned if pin_memory else _pack,
                                    pin_memory=pin_memory, drop_last=False, generator=generator,
                                    **extra))
 

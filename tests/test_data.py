@@ -488,3 +488,17 @@ def test_sentence_split_shards_from_deepspeeds_builder(tmp_path):
     concat = TokenWindows(spec(root, seq_len=4))
     assert sorted(tuple(concat[p]["input_ids"].tolist()) for p in range(len(concat))) == sorted(
         tuple(stream[i:i + 4]) for i in range(0, len(stream) - 3, 4))
+
+
+def test_packed_hand_off_gives_int64_batches_on_both_paths(mlm_dataset):
+    # CPU path: workers hand over an int32 numpy array; the pinning path: an int64 tensor.
+    from app.data import _pack, _pack_pinned, _unpack
+
+    ds = TokenWindows(DataSpec(mlm_dataset, "train", 64, "mlm", seed=3))
+    samples = [ds[i] for i in range(4)]
+    a, b = _unpack(_pack(samples)), _unpack(_pack_pinned(samples))
+    for key in ("input_ids", "attention_mask", "labels"):
+        assert a[key].dtype == b[key].dtype == torch.int64
+        expected = torch.stack([s[key] for s in samples])
+        assert torch.equal(a[key], expected) and torch.equal(b[key], expected)
+    assert (a["labels"] == -100).any()

@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated globs for directory walks; other patterns read as text")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                    help="start a new shard once one holds this many tokens")
+    p.add_argument("--dtype-code", choices=("deepspeed", "megatron"), default="deepspeed",
+                   help="uint16 code in the .idx header: DeepSpeed's MMapIndexedDataset reads 6, "
+                        "Megatron-LM's reader 8 (int32 shards are the same for both)")
     p.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error, not replaced")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     p.add_argument("--batch-chars", type=int, default=BATCH_CHARS, help=argparse.SUPPRESS)
@@ -234,8 +237,10 @@ def encode_batch(texts: list[str], lasts: list[bool]) -> tuple[np.ndarray, np.nd
 class SplitWriter:
     """Writes one split as shards `<split>_NNNNN`, each capped at `shard_tokens` tokens."""
 
-    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int):
+    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int,
+                 dtype_code: str = "deepspeed"):
         self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
+        self.dtype_code = dtype_code
         self.shards: list[dict[str, Any]] = []
         self.created: list[Path] = []
         self._writer: ShardWriter | None = None
@@ -248,7 +253,7 @@ class SplitWriter:
             prefix = self.out / f"{self.split}_{len(self.shards):05d}"
             self.path = bin_path(prefix)
             self.created += [bin_path(prefix), idx_path(prefix)]
-            self._writer = ShardWriter(prefix, self.dtype)
+            self._writer = ShardWriter(prefix, self.dtype, self.dtype_code)
             self._hasher = mf.new_hasher()
 
     def add(self, tokens: np.ndarray) -> None:
@@ -315,7 +320,8 @@ class Preparer:
     def __init__(self, args: argparse.Namespace, tok: TokenizerInfo, corpus: Corpus):
         self.args, self.tok, self.corpus = args, tok, corpus
         self.out: Path = args.out
-        self.writers = {s: SplitWriter(self.out, s, tok.dtype, args.shard_tokens)
+        self.writers = {s: SplitWriter(self.out, s, tok.dtype, args.shard_tokens,
+                                      args.dtype_code)
                         for s in ("train", "val")}
         self.documents = 0
         self.tokens = 0
@@ -430,7 +436,7 @@ def _command(args: argparse.Namespace) -> str:
              "--tokenizer", str(args.tokenizer), "--out", str(args.out),
              "--workers", str(args.workers), "--val-fraction", repr(args.val_fraction),
              "--text-key", args.text_key, "--include", args.include,
-             "--shard-tokens", str(args.shard_tokens)]
+             "--shard-tokens", str(args.shard_tokens), "--dtype-code", args.dtype_code]
     parts += ["--strict"] * args.strict + ["--overwrite"] * args.overwrite
     return shlex.join(parts)
 
@@ -466,6 +472,7 @@ def build_manifest(p: Preparer, splits: dict[str, Any], tok_files: list[dict[str
         "splits": splits,
         "documents": p.documents, "tokens": p.tokens,
         "val_fraction": args.val_fraction, "shard_tokens": args.shard_tokens,
+        "dtype_code": args.dtype_code,
         "source": {"fingerprint": stats.fingerprint, "files": stats.files, "bytes": stats.bytes,
                    "documents": stats.documents, "replaced_invalid_utf8": stats.replaced_chars,
                    "text_key": args.text_key, "include": args.include},

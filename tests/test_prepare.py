@@ -108,6 +108,20 @@ def test_deepspeed_reads_prepared_shards_token_for_token(mlm_dataset):
         assert theirs[0].dtype == np.uint16
 
 
+def test_megatron_dtype_code_reads_back_the_same(stdlib_dir, wordpiece_tokenizer, mlm_dataset,
+                                                  tmp_path):
+    # --dtype-code megatron writes uint16 as 8 (Megatron-LM's number); our reader takes both
+    out = tmp_path / "megatron"
+    assert prepare("--input", stdlib_dir, "--include", "*.py", "--tokenizer", wordpiece_tokenizer,
+                   "--out", out, "--val-fraction", "0.05", "--dtype-code", "megatron") == 0
+    for split in ("train", "val"):
+        assert documents(out, split) == documents(mlm_dataset, split)
+    for prefix in shard_prefixes(out, load_manifest(out), "train"):
+        assert prefix.with_suffix(".idx").read_bytes()[17] == 8  # after magic (9) + version (8)
+        assert prefix.with_suffix(".bin").read_bytes() == (
+            mlm_dataset / prefix.name).with_suffix(".bin").read_bytes()
+
+
 def test_split_rule():
     assert not any(is_val(i, 0.0) for i in range(1000))
     for f in (0.001, 0.01, 0.05, 0.3, 0.99):

@@ -6,7 +6,6 @@ clipping; the app fills the "auto" fields from its flags and reads batch sizes b
 from __future__ import annotations
 
 import copy
-import json
 import os
 import socket
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import torch
 
 from app.device import Device, resolve_precision
 from data_tools.errors import UserError
+from data_tools.manifest import read_json
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 
@@ -50,15 +50,7 @@ def zero_config_path(stage: int) -> Path:
 
 def load_ds_config(path: Path) -> dict[str, Any]:
     """Read a DeepSpeed JSON config; UserError naming the file (and line) when it is unusable."""
-    try:
-        with open(path) as f:
-            ds = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"--ds-config {path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    except OSError as e:
-        raise UserError(f"--ds-config {path}: cannot read ({e.strerror})") from None
+    ds = read_json(path, missing=f"--ds-config {path}: no such file")
     if not isinstance(ds, dict):
         raise UserError(f"{path}: expected a JSON object")
     zero = ds.get("zero_optimization", {})

@@ -10,7 +10,6 @@ them.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from app import checkpoint
 from app.model import build_model, config_from_dict
 from app.trainer import REFERENCE
 from data_tools.errors import UserError
-from data_tools.manifest import TOKENIZER_DIR
+from data_tools.manifest import TOKENIZER_DIR, read_json
 
 RUN_CONFIG = "config.json"
 LOGITS_TOLERANCE = 1e-4
@@ -77,13 +76,8 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     path = run_dir / RUN_CONFIG
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run directory")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{run_dir}: no {RUN_CONFIG} (not a run directory of app train)") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    data = read_json(path, missing=f"{run_dir}: no {RUN_CONFIG} (not a run directory of app "
+                                   f"train)")
     for key in ("model",):
         if key not in data:
             raise UserError(f"{path}: missing key '{key}'")

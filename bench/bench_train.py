@@ -81,6 +81,16 @@ def reference_loop(args, manifest: dict) -> dict:
             "data_wait_pct": 100 * sum(waits[skip:]) / sum(step_times[skip:])}
 
 
+def reference_run(args) -> dict:
+    """The reference loop in a process of its own, so neither side shares a process with the
+    other's leftovers (loader workers, spinning OpenMP threads)."""
+    cmd = [sys.executable, __file__, "--reference-only", *sys.argv[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"reference loop failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def app_run(args) -> dict:
     """`launch.sh -- app train` on one rank; figures from metrics.jsonl, first window left out."""
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
@@ -130,15 +140,19 @@ def main() -> None:
                    help="reference runs HF's BertForMaskedLM head on every position (shows what "
                         "the app's labelled-positions head saves; not the overhead comparison)")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--reference-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     manifest = load_manifest(args.data)
+    if args.reference_only:
+        print(json.dumps(reference_loop(args, manifest)))
+        return
 
     ref, app = [], []
     for i in range(args.repeats):
         order = (("ref", "app") if i % 2 == 0 else ("app", "ref"))
         for side in order:
             if side == "ref":
-                ref.append(reference_loop(args, manifest))
+                ref.append(reference_run(args))
             else:
                 app.append(app_run(args))
             last = (ref if side == "ref" else app)[-1]

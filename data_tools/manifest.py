@@ -117,6 +117,24 @@ def _umask() -> int:
     return mask
 
 
+def read_json(path: str | os.PathLike, *, missing: str | None = None) -> Any:
+    """Parse a JSON file; UserError naming the file (and the line) when it is unusable.
+
+    `missing` is the message for a file that does not exist (default: "<path>: no such file").
+    """
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise UserError(missing or f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+
+
 def write_manifest(dataset_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
     write_json_atomic(Path(dataset_dir) / MANIFEST, manifest)
 
@@ -134,13 +152,7 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     path = d / MANIFEST
     if not path.is_file():
         raise UserError(f"{d}: no {MANIFEST} (not a dataset, or prepare/stage did not finish)")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    manifest = read_json(path)
     if not isinstance(manifest, dict):
         raise UserError(f"{path}: expected a JSON object")
     for key in _REQUIRED:

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-import xxhash
 from tqdm import tqdm
 
 from data_tools import manifest as mf

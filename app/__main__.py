@@ -1,4 +1,4 @@
-"""`python -m app COMMAND`: train | export | demo."""
+"""`python -m app COMMAND`: train | export | report | demo."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +9,7 @@ from data_tools.errors import run_cli
 COMMANDS = {
     "train": ("app.train", "pretrain a model on a dataset directory (start with the deepspeed launcher)"),
     "export": ("app.export", "write a run's weights, config and tokenizer in Hugging Face format"),
+    "report": ("app.report", "print a run's summary and plot its curves (RUN_DIR/curves.png)"),
     "demo": ("app.demo", "the whole pipeline on Python's standard-library sources (the quickstart)"),
 }
 

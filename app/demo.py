@@ -26,7 +26,8 @@ _SKIP = {"test", "tests", "site-packages", "dist-packages", "idlelib", "tkinter"
 def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/demo"),
                    help="where the tokenizer, dataset, run and export go (default: runs/demo)")
-    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default 300)")
+    p.add_argument("--max-steps", type=int, default=1000,
+                   help="optimizer steps (default 1000: ~1.5 min of bert-tiny on 2 idle cores)")
     p.add_argument("--procs", type=int, default=1, help="ranks on this box (default 1)")
     p.add_argument("--objective", choices=("mlm", "clm"), default="mlm")
     p.add_argument("--vocab-size", type=int, default=8000)
@@ -89,14 +90,15 @@ def run(args) -> int:
           "--data", data_dir, "--out", run_dir, "--objective", args.objective,
           "--model", "bert-tiny" if args.objective == "mlm" else "gpt-tiny",
           "--max-steps", str(args.max_steps), "--resume", "never", "--overwrite",
-          "--eval-every", str(max(args.max_steps // 3, 1)), "--log-every", "25",
+          "--eval-every", str(max(args.max_steps // 5, 1)), "--log-every", "25",
           "--save-every", str(args.max_steps)], env=env)
+    _run([py, "-m", "app", "report", run_dir])
     _run([py, "-m", "app", "export", run_dir, "--out", export_dir])
     _check_export(export_dir, args.objective)
 
     print(f"\ndone in {time.time() - t0:.0f} s")
     print(f"  dataset:    {data_dir}")
-    print(f"  run:        {run_dir}  (metrics.jsonl, summary.json, wandb/)")
+    print(f"  run:        {run_dir}  (metrics.jsonl, summary.json, curves.png, wandb/)")
     print(f"  checkpoint: {run_dir / 'checkpoints'}")
     print(f"  export:     {export_dir}  (transformers.from_pretrained loads it)")
     return 0

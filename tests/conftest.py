@@ -65,35 +65,37 @@ def stdlib_dir(tmp_path_factory) -> Path:
     return root
 
 
+def _tokenizer(kind: str, stdlib_dir: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tok") / kind
+    run_data_tools("tokenizer", "--input", stdlib_dir, "--include", "*.py", "--out", out,
+                   "--kind", kind, "--vocab-size", "2000")
+    return out
+
+
+def _dataset(name: str, stdlib_dir: Path, tokenizer: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / name
+    run_data_tools("prepare", "--input", stdlib_dir, "--include", "*.py",
+                   "--tokenizer", tokenizer, "--out", out, "--val-fraction", "0.05")
+    return out
+
+
 @pytest.fixture(scope="session")
 def wordpiece_tokenizer(stdlib_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tok") / "wordpiece"
-    run_data_tools("tokenizer", "--input", stdlib_dir, "--include", "*.py", "--out", out,
-                   "--kind", "wordpiece", "--vocab-size", "2000")
-    return out
+    return _tokenizer("wordpiece", stdlib_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def bpe_tokenizer(stdlib_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tok") / "bpe"
-    run_data_tools("tokenizer", "--input", stdlib_dir, "--include", "*.py", "--out", out,
-                   "--kind", "bpe", "--vocab-size", "2000")
-    return out
+    return _tokenizer("bpe", stdlib_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def mlm_dataset(stdlib_dir, wordpiece_tokenizer, tmp_path_factory) -> Path:
     """WordPiece ids of stdlib_dir, [SEP] after each document, val fraction 0.05."""
-    out = tmp_path_factory.mktemp("data") / "mlm"
-    run_data_tools("prepare", "--input", stdlib_dir, "--include", "*.py",
-                   "--tokenizer", wordpiece_tokenizer, "--out", out, "--val-fraction", "0.05")
-    return out
+    return _dataset("mlm", stdlib_dir, wordpiece_tokenizer, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def clm_dataset(stdlib_dir, bpe_tokenizer, tmp_path_factory) -> Path:
     """Byte-level BPE ids of stdlib_dir, <|endoftext|> after each document, val fraction 0.05."""
-    out = tmp_path_factory.mktemp("data") / "clm"
-    run_data_tools("prepare", "--input", stdlib_dir, "--include", "*.py",
-                   "--tokenizer", bpe_tokenizer, "--out", out, "--val-fraction", "0.05")
-    return out
+    return _dataset("clm", stdlib_dir, bpe_tokenizer, tmp_path_factory)

@@ -7,10 +7,12 @@ from data_tools.errors import run_cli
 
 # command -> (module exposing `add_arguments(parser)` and `run(args) -> int`, help)
 COMMANDS = {
-    "train": ("app.train", "pretrain a model on a dataset directory (start with the deepspeed launcher)"),
+    "train": ("app.train",
+              "pretrain a model on a dataset directory (start with the deepspeed launcher)"),
     "export": ("app.export", "write a run's weights, config and tokenizer in Hugging Face format"),
     "report": ("app.report", "print a run's summary and plot its curves (RUN_DIR/curves.png)"),
-    "demo": ("app.demo", "the whole pipeline on Python's standard-library sources (the quickstart)"),
+    "demo": ("app.demo",
+             "the whole pipeline on Python's standard-library sources (the quickstart)"),
 }
 
 

@@ -42,7 +42,8 @@ def stdlib_inputs() -> list[Path]:
         raise UserError(f"{lib}: the Python standard library sources are not on this machine")
     inputs = [p for p in sorted(lib.iterdir())
               if p.name not in _SKIP and not p.name.startswith(".")
-              and ((p.is_file() and p.suffix == ".py") or (p.is_dir() and (p / "__init__.py").exists()))]
+              and ((p.is_file() and p.suffix == ".py")
+                   or (p.is_dir() and (p / "__init__.py").exists()))]
     if not inputs:
         raise UserError(f"{lib}: no .py sources found")
     return inputs

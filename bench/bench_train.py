@@ -9,7 +9,8 @@ The first log window of each side (warm-up: allocator, first batches) is left ou
 alternate, `--repeats` times, and the medians are compared.
 
     python bench/bench_train.py --data runs/demo/dataset-wordpiece            # bert-tiny
-    python bench/bench_train.py --data ... --model-arg hidden_size=256 --model-arg num_hidden_layers=4
+    python bench/bench_train.py --data ... --model-arg hidden_size=256
+        --model-arg num_hidden_layers=4   (one command)
 """
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""Data tools: tokenizer training, pretokenization into Megatron .bin/.idx shards, inspection, staging."""
+"""Data tools: tokenizer training, pretokenization into Megatron .bin/.idx shards, inspection,
+staging."""

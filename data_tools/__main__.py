@@ -7,7 +7,8 @@ from data_tools.errors import run_cli
 
 # command -> (module exposing `add_arguments(parser)` and `run(args) -> int`, help)
 COMMANDS = {
-    "tokenizer": ("data_tools.tokenizer", "train a WordPiece (BERT) or byte-level BPE (GPT) tokenizer"),
+    "tokenizer": ("data_tools.tokenizer",
+                  "train a WordPiece (BERT) or byte-level BPE (GPT) tokenizer"),
     "prepare": ("data_tools.prepare", "pretokenize a corpus into Megatron .bin/.idx shards"),
     "inspect": ("data_tools.inspection", "summarise, decode and verify a dataset directory"),
     "stage": ("data_tools.stage", "copy a dataset to node-local disk, verified and resumable"),

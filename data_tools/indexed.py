@@ -1,4 +1,5 @@
-"""Megatron-LM's memory-mapped indexed format (`MMIDIDX`, version 1): `<prefix>.bin` + `<prefix>.idx`.
+"""Megatron-LM's memory-mapped indexed format (`MMIDIDX`, version 1): `<prefix>.bin` and
+`<prefix>.idx`.
 
 `.bin` holds the token ids of every sequence back to back. `.idx` holds:
 
@@ -191,7 +192,8 @@ class IndexedShard:
                 return np.dtype(np.uint16)
             if total * 8 == self.bin_bytes:
                 return np.dtype(np.uint64)
-            raise FormatError(f"{ip}: dtype code 8 fits neither uint16 nor uint64 for the .bin size")
+            raise FormatError(f"{ip}: dtype code 8 fits neither uint16 nor uint64 for the .bin "
+                              f"size")
         raise FormatError(f"{ip}: unknown dtype code {code}")
 
     # -- lazily opened memmaps (not pickled: each DataLoader worker maps its own) --------------

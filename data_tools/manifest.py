@@ -20,7 +20,8 @@ Schema (format_version 1):
       "splits": {"train": {"documents": int, "tokens": int,
                            "shards": [{"name": "train_00000", "documents": int, "tokens": int,
                                        "bin_bytes": int, "idx_bytes": int,
-                                       "bin_checksum": "xxh3_128:..", "idx_checksum": "xxh3_128:.."}]},
+                                       "bin_checksum": "xxh3_128:..",
+                                       "idx_checksum": "xxh3_128:.."}]},
                  "val": {...}},
       "fingerprint": "xxh3_128:..",   # of the shard checksums + tokenizer: identifies the data
       "source": {"fingerprint": .., "files": int, "bytes": int, "documents": int},
@@ -74,7 +75,8 @@ def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
     """Hash of tokenizer.json (the whole vocabulary, merges, normaliser and special tokens)."""
     path = Path(tokenizer_dir) / "tokenizer.json"
     if not path.is_file():
-        raise UserError(f"{tokenizer_dir}: no tokenizer.json (not a Hugging Face tokenizer directory)")
+        raise UserError(f"{tokenizer_dir}: no tokenizer.json (not a Hugging Face tokenizer "
+                        f"directory)")
     return file_checksum(path)
 
 
@@ -174,7 +176,8 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def shard_prefixes(dataset_dir: str | os.PathLike, manifest: dict[str, Any], split: str) -> list[Path]:
+def shard_prefixes(dataset_dir: str | os.PathLike, manifest: dict[str, Any],
+                   split: str) -> list[Path]:
     """Paths (without .bin/.idx) of a split's shards, in order."""
     if split not in manifest["splits"]:
         return []
@@ -182,7 +185,8 @@ def shard_prefixes(dataset_dir: str | os.PathLike, manifest: dict[str, Any], spl
 
 
 def dataset_files(manifest: dict[str, Any]) -> list[tuple[str, int, str]]:
-    """(relative path, bytes, checksum) of every shard and tokenizer file: what verify and stage check."""
+    """(relative path, bytes, checksum) of every shard and tokenizer file (what verify and stage
+    check)."""
     out = []
     for split in manifest["splits"].values():
         for s in split["shards"]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from data_tools.errors import UserError
-from data_tools.manifest import write_json_atomic
+from data_tools.manifest import write_json_atomic, write_text_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -40,7 +40,7 @@ def latest_tag(ckpt_dir: Path) -> str | None:
     if not path.is_file():
         return None
     tag = path.read_text().strip()
-    return tag if (ckpt_dir / tag).is_dir() else None
+    return tag if TAG_RE.match(tag) and (ckpt_dir / tag).is_dir() else None
 
 
 def find_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
@@ -132,10 +132,16 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
     torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
     if rank == 0:
         write_json_atomic(tag_dir / STATE, state)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"train_state": state})
-    dist.barrier()  # every rank's partitions are on disk before anything older goes
+    # `latest` is ours to write, after every rank's files are on disk and atomically: DeepSpeed
+    # writes it from rank 0 before its final barrier and in place, so a job killed mid-save
+    # could leave it naming a partial tag, or empty
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"train_state": state},
+                           save_latest=False)
+    dist.barrier()  # every rank's partitions are on disk before `latest` moves or anything goes
     if rank == 0:
+        write_text_atomic(ckpt_dir / LATEST, tag)
         prune(ckpt_dir, keep_last)
+    dist.barrier()  # no rank reads `latest` (or starts the next save) before it is written
     return tag_dir
 
 

@@ -70,11 +70,12 @@ def resolve_precision(requested: str, device: Device) -> str:
     return requested
 
 
-def attention_implementation(requested: str, device: Device) -> str:
-    """"auto" = flash_attention_2 when its package is installed on a GPU, else PyTorch SDPA."""
+def attention_implementation(requested: str, device: Device, precision: str = "bf16") -> str:
+    """"auto" = flash_attention_2 when its package is installed on a GPU and the run is in
+    bf16/fp16 (its kernels take nothing else), else PyTorch SDPA."""
     if requested != "auto":
         return requested
-    if not device.is_cpu:
+    if not device.is_cpu and precision in ("bf16", "fp16"):
         try:
             import flash_attn  # noqa: F401
             return "flash_attention_2"

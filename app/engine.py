@@ -35,13 +35,36 @@ class World:
         return self.rank == 0
 
 
+# What MPI and Slurm launchers (deepspeed --launcher openmpi|mpich|slurm, srun, mpirun) set
+# instead of torch's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, in order of preference.
+_LAUNCHER_VARS = {
+    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"),
+    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"),
+    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"),
+    "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                         "SLURM_NTASKS_PER_NODE"),
+}
+
+
+def adopt_launcher_env(env: dict[str, str] | None = None) -> None:
+    """Fill torch's rank variables from an MPI or Slurm launcher's when they are missing, so
+    those processes join one job instead of each becoming a world of one."""
+    env = os.environ if env is None else env
+    if "RANK" in env:
+        return
+    for name, sources in _LAUNCHER_VARS.items():
+        value = next((env[s] for s in sources if env.get(s)), None)
+        if value is not None:
+            env[name] = value.split("(")[0]  # SLURM_NTASKS_PER_NODE may read "4(x2)"
+
+
 def world_from_env(env: dict[str, str] | None = None) -> World:
     env = os.environ if env is None else env
     world_size = int(env.get("WORLD_SIZE", 1))
+    # a missing local size means one rank per node is all we know: never the whole world
     return World(rank=int(env.get("RANK", 0)), world_size=world_size,
                  local_rank=int(env.get("LOCAL_RANK", 0)),
-                 local_world_size=int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
-                                      or world_size))
+                 local_world_size=int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1))
 
 
 def zero_config_path(stage: int) -> Path:
@@ -80,7 +103,13 @@ def settle_precision(ds: dict[str, Any], requested: str, device: Device, where: 
         if requested not in ("auto", fixed[0]):
             raise UserError(f"--precision {requested}: {where} sets '{fixed[0]}.enabled': true")
         return resolve_precision(fixed[0], device)
-    return resolve_precision(requested, device)
+    resolved = resolve_precision(requested, device)
+    if resolved != "fp32" and _enabled(ds, resolved) is False and resolved in ds:
+        # the file turns this precision off explicitly: it owns the knob
+        if requested == "auto":
+            return "fp32"
+        raise UserError(f"--precision {requested}: {where} sets '{resolved}.enabled': false")
+    return resolved
 
 
 def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_size: int,
@@ -107,10 +136,16 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
                            ("weight_decay", weight_decay)):
             if params.get(key, "auto") == "auto":
                 params[key] = value
+    if opt is None:
+        # no optimizer block (common in HF-style configs): DeepSpeed would build none
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(betas),
+                                                       "eps": eps, "weight_decay": weight_decay}}
     for name in ("bf16", "fp16"):
         section = ds.get(name)
         if isinstance(section, dict) and section.get("enabled") == "auto":
             section["enabled"] = precision == name
+    if precision in ("bf16", "fp16") and not isinstance(ds.get(precision), dict):
+        ds[precision] = {"enabled": True}  # a file without the section runs what we report
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     # HF's choices for the size-dependent ZeRO-3 knobs: a few layers' worth of elements.
     sized = {"reduce_bucket_size": hidden_size * hidden_size,
@@ -148,10 +183,16 @@ def init_distributed(device: Device) -> World:
     """Join the process group; a bare `python -m app train` becomes a world of one."""
     import deepspeed
 
+    adopt_launcher_env()
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
+    if not device.is_cpu:
+        # bind this rank to its accelerator before any collective: NCCL puts a collective's
+        # tensors on the current device, which is otherwise device 0 on every rank of a node
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False)
     return world_from_env()
 

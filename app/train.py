@@ -22,9 +22,9 @@ from app import checkpoint
 from app import config as config_mod
 from app.config import TrainConfig
 from app.device import Device, attention_implementation, detect, set_cpu_threads
-from app.engine import (World, all_gather_object, barrier, fill_auto, init_distributed,
-                        initialize, load_ds_config, settle_precision, versions, world_from_env,
-                        zero_config_path, zero_stage)
+from app.engine import (World, adopt_launcher_env, all_gather_object, barrier, fill_auto,
+                        init_distributed, initialize, load_ds_config, settle_precision, versions,
+                        world_from_env, zero_config_path, zero_stage)
 from app.metrics import METRICS, MetricsLogger, wandb_mode
 from app.model import (build_config, build_model, count_parameters, max_positions,
                        parse_overrides, preset)
@@ -73,6 +73,9 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     if objective != p.objective:
         raise UserError(f"--objective {objective}: preset {cfg.model_name} is "
                         f"{'an encoder (mlm)' if p.objective == 'mlm' else 'a decoder (clm)'}")
+    ds_path = cfg.ds_config or zero_config_path(cfg.zero or 0)
+    raw_ds = load_ds_config(ds_path)
+    precision = settle_precision(raw_ds, cfg.precision, device, ds_path)
     eod = manifest["eod_token_id"]
     special = {"pad_token_id": manifest.get("pad_token_id")}
     if objective == "clm":
@@ -80,7 +83,8 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     model_config = build_config(cfg.model_name, vocab_size=int(manifest["vocab_size"]),
                                 special_ids=special, overrides=parse_overrides(cfg.model_arg),
                                 dropout=cfg.dropout,
-                                attn_implementation=attention_implementation(cfg.attn, device))
+                                attn_implementation=attention_implementation(cfg.attn, device,
+                                                                             precision))
     if cfg.seq_len > max_positions(model_config):
         raise UserError(f"--seq-len {cfg.seq_len}: above the {max_positions(model_config)} "
                         f"positions of {cfg.model_name} (raise it with --model-arg)")
@@ -96,9 +100,6 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
             if world.is_main:
                 print(f"no evaluation: {e}", file=sys.stderr)
 
-    ds_path = cfg.ds_config or zero_config_path(cfg.zero or 0)
-    raw_ds = load_ds_config(ds_path)
-    precision = settle_precision(raw_ds, cfg.precision, device, ds_path)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
     total_steps = cfg.max_steps
     if cfg.max_tokens is not None:
@@ -173,11 +174,18 @@ def clear_run_dir(run_dir: Path) -> None:
 
 def stage_data(cfg: TrainConfig, world: World) -> Path:
     """First local rank of each node copies the dataset to --stage-to; the others wait for it."""
-    path = None
+    path = error = None
     if world.local_rank == 0:
         from data_tools.stage import stage_dataset  # lazily: only runs that stage need it
-        path = str(stage_dataset(cfg.data, cfg.stage_to, progress=world.is_main))
-    paths = all_gather_object(path)  # also the barrier: no rank reads before its node's copy
+        try:
+            path = str(stage_dataset(cfg.data, cfg.stage_to, progress=world.is_main))
+        except UserError as e:  # every rank stops with it, instead of waiting in the gather
+            error = str(e)
+    results = all_gather_object((path, error))  # also the barrier: no rank reads early
+    errors = [e for _, e in results if e]
+    if errors:
+        raise UserError(f"--stage-to {cfg.stage_to}: {errors[0]}")
+    paths = [p for p, _ in results]
     # Launchers number ranks node by node, so this node's first local rank is rank - local_rank.
     return Path(paths[world.rank - world.local_rank])
 
@@ -187,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig.from_args(args)
     device = detect()
     threads = set_cpu_threads(device)
+    adopt_launcher_env()
     plan = plan_run(cfg, device, world_from_env())
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         if cfg.overwrite and plan.resume is None:

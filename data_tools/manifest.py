@@ -93,13 +93,17 @@ def dataset_fingerprint(manifest: dict[str, Any]) -> str:
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     """Write JSON so that readers see either nothing or the whole file."""
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write a file so that readers see the old content or the whole new one, never a part."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; others must read a dataset
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

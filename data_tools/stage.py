@@ -479,6 +479,16 @@ def stage(src: Path, dst: Path, *, workers: int | None = None, overwrite: bool =
           progress: bool = True, verify_existing: bool = False,
           on_wait: Callable[[], None] | None = None) -> StageStats:
     """`stage_dataset` returning what it did (the CLI prints it; tests check who copied)."""
+    try:
+        return _stage(src, dst, workers=workers, overwrite=overwrite, progress=progress,
+                      verify_existing=verify_existing, on_wait=on_wait)
+    except OSError as e:  # e.g. a read-only subdirectory, or a disk filled by someone else
+        raise UserError(f"{e.filename or dst}: {e.strerror or e} (while staging into {dst}; "
+                        f"partial files are kept for the next run)") from None
+
+
+def _stage(src: Path, dst: Path, *, workers: int | None, overwrite: bool, progress: bool,
+           verify_existing: bool, on_wait: Callable[[], None] | None) -> StageStats:
     started = time.monotonic()
     src, dst = Path(src), Path(dst)
     workers = DEFAULT_WORKERS if workers is None else workers

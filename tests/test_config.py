@@ -142,3 +142,38 @@ def test_help_lists_the_flags(capsys):
     assert exit_info.value.code == 0
     assert "--zero N" in out and "--stage-to DIR" in out and "(default 128)" in out
     assert "MISSING" not in out
+
+
+def test_a_file_that_turns_a_precision_off_owns_it(tmp_path):
+    path = tmp_path / "ds.json"
+    off = {"bf16": {"enabled": False}}
+    assert settle_precision(off, "auto", GPU, path) == "fp32"
+    with pytest.raises(UserError, match="'bf16.enabled': false"):
+        settle_precision(off, "bf16", GPU, path)
+    # no precision section at all: the resolved precision is written in, as reported
+    ds = fill({"zero_optimization": {"stage": 0}}, path, precision="bf16")
+    assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
+    assert "bf16" not in fill({"zero_optimization": {"stage": 0}}, path, precision="fp32")
+
+
+def test_a_file_without_an_optimizer_gets_adamw_from_the_flags(tmp_path):
+    ds = fill({"zero_optimization": {"stage": 1}}, tmp_path / "ds.json")
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
+                                                           "eps": 1e-8, "weight_decay": 0.1}}
+    DeepSpeedConfig(ds)
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, (5, 8, 1, 4)),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+      "SLURM_NTASKS_PER_NODE": "2(x2)"}, (3, 4, 1, 2)),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "SLURM_PROCID": "9"}, (1, 2, 1, 1)),
+    ({}, (0, 1, 0, 1)),
+])
+def test_ranks_come_from_torch_mpi_or_slurm_launchers(env, want):
+    from app.engine import adopt_launcher_env, world_from_env
+
+    adopt_launcher_env(env)
+    w = world_from_env(env)
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == want

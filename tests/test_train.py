@@ -185,3 +185,14 @@ def test_resume_checks_geometry_but_lets_dropout_change(tmp_path):
                         model_config=now | {"num_hidden_layers": 4}, where=tmp_path)
     with pytest.raises(UserError, match="different data"):
         check_resumable(saved, fingerprint="xxh3_128:bb", model_config=now, where=tmp_path)
+
+
+def test_an_empty_or_foreign_latest_is_no_checkpoint(tmp_path):
+    from app.checkpoint import latest_tag
+
+    (tmp_path / "global_step7").mkdir()
+    (tmp_path / "notes").mkdir()
+    for text, want in [("global_step7", "global_step7"), ("", None), ("notes", None),
+                       ("global_step8", None)]:
+        (tmp_path / "latest").write_text(text)
+        assert latest_tag(tmp_path) == want

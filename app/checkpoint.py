@@ -43,6 +43,17 @@ def latest_tag(ckpt_dir: Path) -> str | None:
     return tag if TAG_RE.match(tag) and (ckpt_dir / tag).is_dir() else None
 
 
+def tags_after(ckpt_dir: Path, tag: str) -> list[str]:
+    """Tags in `ckpt_dir` of later steps than `tag` (none when `tag` is not ours)."""
+    m = TAG_RE.match(tag)
+    if m is None or not ckpt_dir.is_dir():
+        return []
+    step = int(m.group(1))
+    return sorted((p.name for p in ckpt_dir.iterdir()
+                   if p.is_dir() and (t := TAG_RE.match(p.name)) and int(t.group(1)) > step),
+                  key=lambda name: int(TAG_RE.match(name).group(1)))
+
+
 def find_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
     """(checkpoint dir, tag) to resume from, or None to start fresh.
 

@@ -162,6 +162,12 @@ def check_run_dir(cfg: TrainConfig) -> tuple[Path, str] | None:
         if previous and (cfg.resume == "never" or has_ckpt):
             raise UserError(f"--out {cfg.out}: holds a previous run ({', '.join(previous)}); "
                             f"continue it with --resume auto, or replace it with --overwrite")
+    if resume is not None:
+        newer = checkpoint.tags_after(cfg.out / checkpoint.CHECKPOINTS, resume[1])
+        if newer:  # saving here would interleave two histories and prune the wrong one
+            raise UserError(f"--resume {resume[0] / resume[1]}: {cfg.out / checkpoint.CHECKPOINTS}"
+                            f" holds later checkpoints ({', '.join(newer)}); resume into another "
+                            f"--out, or move those away")
     return resume
 
 

@@ -196,3 +196,25 @@ def test_an_empty_or_foreign_latest_is_no_checkpoint(tmp_path):
                        ("global_step8", None)]:
         (tmp_path / "latest").write_text(text)
         assert latest_tag(tmp_path) == want
+
+
+def test_resuming_an_older_tag_beside_later_ones_is_refused(tmp_path):
+    # saving from step 110 next to an abandoned 200 and 300 would mix two histories
+    from app.checkpoint import tags_after
+
+    for step in (100, 200, 300):
+        (tmp_path / f"global_step{step}").mkdir()
+    assert tags_after(tmp_path, "global_step100") == ["global_step200", "global_step300"]
+    assert tags_after(tmp_path, "global_step300") == []
+    assert tags_after(tmp_path, "custom") == [] and tags_after(tmp_path / "no", "global_step1") == []
+
+
+def test_resume_beside_later_checkpoints_exits_2(capsys, mlm_run, mlm_dataset, tmp_path):
+    run, _ = mlm_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("wandb"))
+    (copy / "checkpoints" / "global_step999").mkdir()
+    tag = (copy / "checkpoints" / "latest").read_text()
+    line = one_line_error(capsys, ["train", "--data", mlm_dataset, "--out", copy,
+                                   "--resume", copy / "checkpoints" / tag])
+    assert "holds later checkpoints (global_step999)" in line

@@ -238,21 +238,26 @@ def loss_scale(engine) -> float | None:
     return None if scale is None else float(scale)
 
 
+def _several_ranks() -> bool:
+    """Collectives are no-ops in a world of one (or before the group exists)."""
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place (a no-op in a world of one)."""
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    """Sum over ranks, in place."""
+    if _several_ranks():
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
     return tensor
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if _several_ranks():
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return tensor
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+    if not _several_ranks():
         return [obj]
     out: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)
@@ -260,7 +265,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 def barrier() -> None:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if _several_ranks():
         torch.distributed.barrier()
 
 

@@ -67,8 +67,8 @@ class Trainer:
         self.checkpoint_extra = checkpoint_extra
         self.global_batch = engine.train_batch_size()  # read back: the engine owns batch sizes
         self.grad_accum = engine.gradient_accumulation_steps()
-        with torch.random.fork_rng(devices=[]):  # creating the iterator draws a seed: keep the
-            self.batches: Iterator = iter(train_batches(state.consumed_samples))  # dropout stream
+        # the loaders draw from a private generator (app.data), so this leaves dropout's RNG alone
+        self.batches: Iterator = iter(train_batches(state.consumed_samples))
         self._reset_window()
         self.last_eval: dict[str, float] = {}
         self.train_seconds = 0.0

@@ -1,4 +1,4 @@
-"""`python -m app COMMAND`: train | export | report | demo."""
+"""`python -m app COMMAND`: train | export | report | demo | plan | tune."""
 from __future__ import annotations
 
 import sys
@@ -13,6 +13,8 @@ COMMANDS = {
     "report": ("app.report", "print a run's summary and plot its curves (RUN_DIR/curves.png)"),
     "demo": ("app.demo",
              "the whole pipeline on Python's standard-library sources (the quickstart)"),
+    "plan": ("app.plan", "memory, batch and throughput per ZeRO stage before a run"),
+    "tune": ("app.tune", "measure the largest micro batch and the loader workers on this machine"),
 }
 
 

@@ -45,6 +45,8 @@ from data_tools.errors import UserError
 
 GiB = 2 ** 30
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# fp32 state bytes per parameter: Adam/AdamW/LAMB keep two moments, the others one
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lamb": 8, "lion": 4, "adagrad": 4, "sgd": 4}
 STAGES = (0, 1, 2, 3)
 
 
@@ -118,6 +120,12 @@ class Workload:
     attention_dropout: bool = True
     eager_attention: bool = False
     """attn_implementation="eager": S x S scores are always stored."""
+    optimizer: str = "adamw"
+    """Sizes the optimizer states (OPTIMIZER_STATE_BYTES)."""
+
+    @property
+    def moments(self) -> int:
+        return OPTIMIZER_STATE_BYTES[self.optimizer]
 
     @property
     def nodes(self) -> int:
@@ -156,40 +164,42 @@ class MemoryPlan:
                 + self.transient + self.fragmentation)
 
 
-def state_copies(precision: str, stage: int) -> dict[str, list[tuple[int, int]]]:
+def state_copies(precision: str, stage: int, moments: int = 8) -> dict[str, list[tuple[int, int]]]:
     """Per-parameter copies as {row: [(bytes per parameter, stage that partitions it)]}.
 
-    The table of the module docstring; a copy is divided by N when `stage >= its stage`.
+    The table of the module docstring (`moments`: the optimizer's state bytes, 8 for Adam); a
+    copy is divided by N when `stage >= its stage`.
     """
     if precision not in PRECISION_BYTES:
         raise UserError(f"--precision {precision!r}: expected one of bf16, fp16, fp32")
     if precision != "fp32":
         return {"parameters": [(2, 3)],
                 "gradients": [(2, 2), (4, 1)],
-                "optimizer": [(4, 1), (8, 1)]}
+                "optimizer": [(4, 1), (moments, 1)]}
     # the 16-bit (here fp32) gradients, plus stage 1's flat fp32 partition for the step and
     # stage 3's separate fp32 step buffer
     grads = [(4, 2)] + {1: [(4, 1)], 3: [(4, 3)]}.get(stage, [])
     master = [(4, 1)] if stage in (1, 2) else []  # fp32 stage 0 has no wrapper; 3 shares it
-    return {"parameters": [(4, 3)], "gradients": grads, "optimizer": master + [(8, 1)]}
+    return {"parameters": [(4, 3)], "gradients": grads, "optimizer": master + [(moments, 1)]}
 
 
 def model_state_bytes(params: int, stage: int, world: int, precision: str,
-                      offload: bool = False) -> dict[str, int]:
+                      offload: bool = False, moments: int = 8) -> dict[str, int]:
     """Parameters, gradients and optimizer states per device (bytes)."""
     if stage not in STAGES:
         raise UserError(f"ZeRO stage {stage}: stages are 0, 1, 2 and 3")
     if offload:  # everything lives in host memory; the device holds the working set (buffers)
         return {"parameters": 0, "gradients": 0, "optimizer": 0}
     out = {}
-    for row, copies in state_copies(precision, stage).items():
+    for row, copies in state_copies(precision, stage, moments).items():
         out[row] = sum(b * params / world if stage >= part else b * params for b, part in copies)
     return {row: int(v) for row, v in out.items()}
 
 
-def host_bytes_per_node(params: int, nodes: int) -> int:
-    """ZeRO-3 + offload: host memory per node, DeepSpeed's 18P/nodes x 1.5 (zero_init)."""
-    return int(params * 18 / nodes * 1.5)
+def host_bytes_per_node(params: int, nodes: int, moments: int = 8) -> int:
+    """ZeRO-3 + offload: host memory per node, DeepSpeed's 18P/nodes x 1.5 (zero_init) for Adam:
+    16-bit parameters 2 + fp32 gradients 4 + master 4 + moments, x1.5 for pinned buffers."""
+    return int(params * (10 + moments) / nodes * 1.5)
 
 
 def zero3_working_set(live_params: int, largest_layer: int, weight_bytes: int) -> int:
@@ -315,7 +325,8 @@ def plan_memory(shape: ModelShape, size: ModelSize, setup: ZeroSetup, work: Work
                 device: DeviceProfile) -> MemoryPlan:
     """Bytes per device for `setup` running `work` (see the module docstring)."""
     p, w = size.parameters, PRECISION_BYTES[work.precision]
-    states = model_state_bytes(p, setup.stage, work.world, work.precision, setup.offload)
+    states = model_state_bytes(p, setup.stage, work.world, work.precision, setup.offload,
+                               work.moments)
     if device.host_is_device and setup.stage == 3 and not setup.offload:
         # built in fp32 before deepspeed.initialize partitions it, in the same memory
         states["parameters"] += 4 * p
@@ -331,7 +342,8 @@ def plan_memory(shape: ModelShape, size: ModelSize, setup: ZeroSetup, work: Work
         activations_per_sample=activation_bytes(shape, work, device, False, 1),
         activations_per_sample_ckpt=activation_bytes(shape, work, device, True, 1),
         transient=transient, fragmentation=int(device.fragmentation * (act + transient)),
-        host_per_node=host_bytes_per_node(p, work.nodes) if setup.offload else 0, **states)
+        host_per_node=host_bytes_per_node(p, work.nodes, work.moments) if setup.offload else 0,
+        **states)
 
 
 def max_micro_batch(shape: ModelShape, size: ModelSize, setup: ZeroSetup, work: Workload,

@@ -1,0 +1,508 @@
+"""`python -m app plan`: memory and throughput per ZeRO stage before a run.
+
+For ZeRO 0, 1, 2, 3 and 3 + offload: bytes per device by term (app.memory), the largest micro
+batch that fits, the global batch, tokens/s and step time at an assumed MFU (app.flops,
+app.hardware), days and cost to train the token budget, and which stage to pick. Formulas:
+docs/plan.md. Nothing is downloaded or allocated: the model is built on PyTorch's meta device to
+count its parameters.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+from app import hardware
+from app.flops import ModelShape, flops_per_token, head_fraction
+from app.memory import (GPU, GiB, OPTIMIZER_STATE_BYTES, DeviceProfile, MemoryPlan, ModelSize,
+                        Workload, ZeroSetup, max_micro_batch, plan_memory)
+from data_tools.errors import UserError
+
+CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal tokens per parameter
+DEFAULT_GPU = "H100-SXM"
+SETUPS = (("zero0", False), ("zero1", False), ("zero2", False), ("zero3", False),
+          ("zero3_offload", True))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The planned model: its config, geometry and exact parameter counts."""
+
+    name: str
+    objective: str
+    config: Any
+    shape: ModelShape
+    size: ModelSize
+
+
+def describe_model(name: str, *, vocab_size: int | None = None,
+                   overrides: dict[str, Any] | None = None,
+                   attn_implementation: str = "sdpa") -> ModelInfo:
+    """Build the preset's config and count its parameters on the meta device (no memory)."""
+    import torch
+
+    from app.model import build_config, build_model, objective_of, preset
+
+    p = preset(name)  # UserError for an unknown preset
+    vocab = vocab_size or p.config_class().vocab_size
+    if vocab < 1:
+        raise UserError(f"--vocab-size {vocab}: must be at least 1")
+    config = build_config(name, vocab_size=vocab, special_ids={}, overrides=overrides,
+                          attn_implementation=attn_implementation)
+    shape = ModelShape.from_config(config)  # refuses shapes that do not divide
+    try:
+        with torch.device("meta"):
+            model = build_model(config, sparse_mlm_head=True)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise UserError(f"--model {name}: {str(e).splitlines()[0]}") from None
+    unique = {id(t): t for t in model.parameters()}.values()
+    largest = max(sum(t.numel() for t in m.parameters(recurse=False)) for m in model.modules())
+    size = ModelSize(parameters=sum(t.numel() for t in unique), largest_layer=largest)
+    return ModelInfo(name, objective_of(config), config, shape, size)
+
+
+def dropout_flags(config: Any) -> tuple[bool, bool]:
+    """(hidden dropout on, attention dropout on) from the usual config field names."""
+    hidden = max(getattr(config, k, 0.0) or 0.0 for k in
+                 ("hidden_dropout_prob", "resid_pdrop", "embd_pdrop", "hidden_dropout"))
+    attn = max(getattr(config, k, 0.0) or 0.0 for k in
+               ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout"))
+    return hidden > 0, attn > 0
+
+
+def zero_setups(hidden: int) -> list[ZeroSetup]:
+    """ZeRO 0-3 and 3 + offload, with the buffer sizes of this repo's ds_configs/*.json."""
+    from app.engine import fill_auto, load_ds_config, zero_config_path
+
+    out = []
+    for stem, offload in SETUPS:
+        path = zero_config_path(0).with_name(f"{stem}.json")
+        ds = fill_auto(load_ds_config(path), micro_batch=1, grad_accum=1, world_size=1,
+                       precision="bf16", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                       hidden_size=hidden, pin_memory=False, where=path)
+        out.append(setup_from_ds(ds, offload))
+    return out
+
+
+def setup_from_ds(ds: dict[str, Any], offload: bool | None = None) -> ZeroSetup:
+    """The ZeroSetup a (filled) DeepSpeed config describes."""
+    zero = ds.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    if offload is None:
+        offload = stage == 3 and _offloaded(zero.get("offload_param"))
+    default = ZeroSetup(stage)
+    return ZeroSetup(stage=stage, offload=offload,
+                     reduce_bucket=int(zero.get("reduce_bucket_size", default.reduce_bucket)),
+                     allgather_bucket=int(zero.get("allgather_bucket_size",
+                                                   default.allgather_bucket)),
+                     overlap_comm=bool(zero.get("overlap_comm", False)),
+                     max_live_parameters=int(zero.get("stage3_max_live_parameters",
+                                                      default.max_live_parameters)))
+
+
+def _offloaded(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("device", "none") not in ("none", None)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """`python -m app plan` settings (the flags, checked)."""
+
+    model: str
+    """Preset name (app.model.PRESETS)."""
+    model_args: tuple[str, ...] = ()
+    """Config overrides KEY=VALUE, as `app train --model-arg`."""
+    vocab_size: int | None = None
+    """Vocabulary (default: the config class's, e.g. BERT's 30,522)."""
+    seq_len: int = 128
+    micro_batch: int | None = None
+    """Samples per device per pass; None: the largest that fits, per stage."""
+    grad_accum: int = 1
+    precision: str = "bf16"
+    checkpointing: bool = False
+    """Activation checkpointing (`app train --gradient-checkpointing`)."""
+    gpus: int = 1
+    """Devices in the whole job (data-parallel size)."""
+    gpus_per_node: int | None = None
+    """Devices per node (default: min(gpus, 8))."""
+    gpu: str | None = None
+    """Accelerator name from app.hardware (memory and peak TFLOP/s)."""
+    gpu_mem_gb: float | None = None
+    """Memory per device in GB (2^30 bytes); overrides the accelerator's."""
+    peak_tflops: float | None = None
+    """Dense peak TFLOP/s per device in this precision; overrides the accelerator's."""
+    optimizer: str = "adamw"
+    tokens: float | None = None
+    """Tokens to train on (default: 20 per parameter, Chinchilla)."""
+    mfu: float = 0.35
+    """Assumed model FLOPs utilisation."""
+    price_per_gpu_hour: float | None = None
+    mask_prob: float = 0.15
+    """MLM: fraction of positions the head runs on."""
+    attn: str = "sdpa"
+    """sdpa/flash_attention_2 (fused: no S x S scores) or eager."""
+    runtime_gb: float | None = None
+    """Per-device runtime memory (CUDA context, NCCL); default app.memory.GPU's."""
+    fragmentation: float | None = None
+    """Allowance on activations (default app.memory.GPU's)."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "grad_accum", "gpus"):
+            _positive(name, getattr(self, name))
+        for name in ("micro_batch", "gpus_per_node", "vocab_size"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name in ("gpu_mem_gb", "peak_tflops", "tokens"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UserError(f"--{_flag(name)} {value}: must be positive")
+        for name in ("price_per_gpu_hour", "runtime_gb", "fragmentation"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UserError(f"--{_flag(name)} {value}: must be 0 or more")
+        if not 0 < self.mfu <= 1:
+            raise UserError(f"--mfu {self.mfu}: must be in (0, 1]")
+        if not 0 < self.mask_prob <= 1:
+            raise UserError(f"--mask-prob {self.mask_prob}: must be in (0, 1]")
+        if self.gpus_per_node and self.gpus % min(self.gpus_per_node, self.gpus):
+            raise UserError(f"--gpus {self.gpus}: not a multiple of --gpus-per-node "
+                            f"{self.gpus_per_node}")
+
+    @property
+    def per_node(self) -> int:
+        return min(self.gpus_per_node or 8, self.gpus)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise UserError(f"--{_flag(name)} {value}: must be at least 1")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One column of the plan: a ZeRO setup at the micro batch it is planned for."""
+
+    memory: MemoryPlan
+    """Bytes per device at `micro_batch`."""
+    max_micro_batch: int
+    """Largest micro batch that fits (0: none)."""
+    micro_batch: int
+    """The requested micro batch, else the largest that fits (at least 1)."""
+    fits: bool
+    global_batch: int
+    tokens_per_sec: float | None
+    """Whole job, at the assumed MFU (None without a peak TFLOP/s figure)."""
+    step_time_s: float | None
+    days: float | None
+    cost: float | None
+
+
+def throughput(flops_token: float, peak_tflops: float | None, mfu: float, gpus: int,
+               global_batch_tokens: int, tokens: float) -> tuple[float | None, ...]:
+    """(tokens/s of the job, seconds per step, days for `tokens`, GPU-hours) at `mfu`."""
+    if peak_tflops is None:
+        return None, None, None, None
+    tokens_per_sec = mfu * peak_tflops * 1e12 * gpus / flops_token
+    seconds = tokens / tokens_per_sec
+    return tokens_per_sec, global_batch_tokens / tokens_per_sec, seconds / 86400, \
+        seconds / 3600 * gpus
+
+
+def plan_stage(info: ModelInfo, setup: ZeroSetup, work: Workload, device: DeviceProfile,
+               budget: int, req: PlanRequest, peak: float | None, tokens: float) -> StagePlan:
+    """Memory at the micro batch in use, the largest that fits, and the time and cost."""
+    largest = max_micro_batch(info.shape, info.size, setup, work, device, budget)
+    micro = req.micro_batch or max(largest, 1)
+    memory = plan_memory(info.shape, info.size, setup, replace(work, micro_batch=micro), device)
+    global_batch = micro * req.grad_accum * req.gpus
+    head = head_fraction(info.objective, req.mask_prob)
+    fpt = flops_per_token(info.shape, req.seq_len, head)
+    tps, step, days, gpu_hours = throughput(fpt, peak, req.mfu, req.gpus,
+                                            global_batch * req.seq_len, tokens)
+    cost = (gpu_hours * req.price_per_gpu_hour
+            if gpu_hours is not None and req.price_per_gpu_hour is not None else None)
+    return StagePlan(memory, largest, micro, memory.total <= budget, global_batch, tps, step,
+                     days, cost)
+
+
+def recommend(stages: list[StagePlan], requested: int | None) -> tuple[int | None, str]:
+    """(index of the stage to pick, the reason in one sentence)."""
+    fitting = [i for i, s in enumerate(stages) if s.fits]
+    if not fitting:
+        best = max(range(len(stages)), key=lambda i: stages[i].max_micro_batch)
+        return None, (f"micro batch {requested} fits no stage; the largest that fits is "
+                      f"{stages[best].max_micro_batch} with {stages[best].memory.setup.label}")
+    if requested:
+        i = fitting[0]
+        s = stages[i]
+        return i, (f"{s.memory.setup.label} is the lowest stage where micro batch {requested} "
+                   f"fits ({_gb(s.memory.total)} GB); higher stages only add communication")
+    low = [i for i in fitting if stages[i].memory.setup.stage <= 2]
+    if not low:
+        i = fitting[0]
+        label = stages[i].memory.setup.label
+        why = ("the model states fit only when also the parameters are partitioned"
+               if not stages[i].memory.setup.offload
+               else "the model states fit only in host memory (expect a slower, PCIe-bound step)")
+        return i, f"{label}: {why}, at micro batch {stages[i].max_micro_batch}"
+    best = max(stages[i].max_micro_batch for i in low)
+    i = next(i for i in low if stages[i].max_micro_batch >= 0.9 * best)
+    s, z3 = stages[i], stages[3]
+    extra = (f"; ZeRO-3 would fit {z3.max_micro_batch} for 1.5x the traffic"
+             if z3.fits and z3.max_micro_batch > s.max_micro_batch else "")
+    if s.memory.setup.stage == 0:
+        return i, (f"ZeRO-0: micro batch {s.max_micro_batch} fits without partitioning, "
+                   f"within 10% of what ZeRO-1/2 allow{extra}")
+    return i, (f"{s.memory.setup.label}: fits micro batch {s.max_micro_batch} (ZeRO-0: "
+               f"{stages[0].max_micro_batch}) with the same traffic as plain data "
+               f"parallelism{extra}")
+
+
+def _gb(n: float) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `app plan` reports."""
+
+    request: PlanRequest
+    info: ModelInfo
+    device: DeviceProfile
+    accelerator: str | None
+    budget: int
+    """Memory per device in bytes."""
+    peak_tflops: float | None
+    tokens: float
+    flops_per_token: float
+    stages: list[StagePlan]
+    pick: int | None
+    reason: str
+
+
+def workload_for(req: PlanRequest, info: ModelInfo, seq_len: int | None = None,
+                 gpus: int | None = None) -> Workload:
+    hidden, attn = dropout_flags(info.config)
+    return Workload(seq_len=seq_len or req.seq_len, micro_batch=1, precision=req.precision,
+                    world=gpus or req.gpus, devices_per_node=req.per_node,
+                    checkpointing=req.checkpointing,
+                    head_fraction=head_fraction(info.objective, req.mask_prob),
+                    hidden_dropout=hidden, attention_dropout=attn,
+                    eager_attention=req.attn == "eager", optimizer=req.optimizer)
+
+
+def make_plan(req: PlanRequest, info: ModelInfo | None = None,
+              setups: list[ZeroSetup] | None = None) -> Plan:
+    """The whole plan; UserError when no stage fits even one sample (saying what would)."""
+    from app.model import parse_overrides
+
+    info = info or describe_model(req.model, vocab_size=req.vocab_size,
+                                  overrides=parse_overrides(list(req.model_args)))
+    if info.shape.positions and req.seq_len > info.shape.positions:
+        raise UserError(f"--seq-len {req.seq_len}: above the {info.shape.positions} positions "
+                        f"of {req.model} (raise it with --model-arg)")
+    acc = hardware.lookup(req.gpu) if req.gpu else None
+    if acc is None and req.gpu_mem_gb is None:
+        acc = hardware.lookup(DEFAULT_GPU)
+    budget = int((req.gpu_mem_gb or acc.memory_gb) * GiB)
+    peak = req.peak_tflops or (acc.peak_tflops(req.precision) if acc else None)
+    device = replace(GPU, **{k: v for k, v in (
+        ("runtime_bytes", None if req.runtime_gb is None else int(req.runtime_gb * GiB)),
+        ("fragmentation", req.fragmentation)) if v is not None})
+    tokens = req.tokens or CHINCHILLA_TOKENS_PER_PARAM * info.size.parameters
+    setups = setups or zero_setups(info.shape.hidden)
+    work = workload_for(req, info)
+    stages = [plan_stage(info, s, work, device, budget, req, peak, tokens) for s in setups]
+    if all(s.max_micro_batch == 0 for s in stages):
+        raise UserError(nothing_fits(req, info, setups, device, budget))
+    pick, reason = recommend(stages, req.micro_batch)
+    fpt = flops_per_token(info.shape, req.seq_len, head_fraction(info.objective, req.mask_prob))
+    return Plan(req, info, device, acc.name if acc else None, budget, peak, tokens, fpt, stages,
+                pick, reason)
+
+
+def nothing_fits(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup],
+                 device: DeviceProfile, budget: int) -> str:
+    """One line: what the model needs at least, and what would fit instead."""
+    one = workload_for(req, info)
+    least = min((plan_memory(info.shape, info.size, s, one, device) for s in setups),
+                key=lambda m: m.total)
+    head = (f"{_gb(budget)} GB per device fits no ZeRO stage for {req.model} at seq-len "
+            f"{req.seq_len} (it needs at least {_gb(least.total)} GB, with "
+            f"{least.setup.label} at micro batch 1)")
+    if device.runtime_bytes >= budget:
+        return (f"{head}: the per-device runtime alone (CUDA context, NCCL buffers) is assumed "
+                f"to take {_gb(device.runtime_bytes)} GB (--runtime-gb)")
+    fixes = [flag for flag, changed in (
+        ("--gradient-checkpointing", replace(req, checkpointing=True)),
+        ("--precision bf16", replace(req, precision="bf16")),
+    ) if changed != req and _fits(changed, info, setups, device, budget)]
+    seq = req.seq_len // 2
+    while seq >= 8 and not _fits(replace(req, seq_len=seq), info, setups, device, budget):
+        seq //= 2
+    if seq >= 8:
+        fixes.append(f"--seq-len {seq}")
+    gpus = req.gpus * 2
+    while gpus <= 2 ** 16 and not _fits(replace(req, gpus=gpus), info, setups[3:4], device,
+                                        budget):
+        gpus *= 2
+    if gpus <= 2 ** 16:
+        fixes.append(f"ZeRO-3 over --gpus {gpus}")
+    return f"{head}; what would fit: {' or '.join(fixes) if fixes else 'a smaller model'}"
+
+
+def _fits(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup], device: DeviceProfile,
+          budget: int) -> bool:
+    work = workload_for(req, info)
+    return any(max_micro_batch(info.shape, info.size, s, work, device, budget) for s in setups)
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    """The plan as JSON-able data (bytes as integers, per device unless named otherwise)."""
+    req, info = plan.request, plan.info
+    stages = []
+    for i, s in enumerate(plan.stages):
+        m = s.memory
+        stages.append({
+            "zero": m.setup.label, "zero_stage": m.setup.stage, "offload": m.setup.offload,
+            "parameters_bytes": m.parameters, "gradients_bytes": m.gradients,
+            "optimizer_states_bytes": m.optimizer, "buffers_bytes": m.buffers,
+            "activations_bytes": m.activations,
+            "activations_per_sample_bytes": m.activations_per_sample,
+            "activations_per_sample_checkpointed_bytes": m.activations_per_sample_ckpt,
+            "transient_bytes": m.transient, "fragmentation_bytes": m.fragmentation,
+            "runtime_bytes": m.runtime, "total_bytes": m.total,
+            "host_per_node_bytes": m.host_per_node, "fits": s.fits,
+            "max_micro_batch": s.max_micro_batch, "micro_batch": s.micro_batch,
+            "global_batch": s.global_batch, "tokens_per_sec": s.tokens_per_sec,
+            "step_time_s": s.step_time_s, "days": s.days, "cost": s.cost,
+            "recommended": i == plan.pick})
+    pick = plan.stages[plan.pick].memory.setup.label if plan.pick is not None else None
+    return {
+        "model": {"preset": req.model, "objective": info.objective, "model_type":
+                  info.shape.model_type, "parameters": info.size.parameters,
+                  "largest_layer_parameters": info.size.largest_layer,
+                  "hidden": info.shape.hidden, "layers": info.shape.layers,
+                  "heads": info.shape.heads, "vocab": info.shape.vocab,
+                  "flops_per_token": plan.flops_per_token},
+        "inputs": {"seq_len": req.seq_len, "micro_batch": req.micro_batch,
+                   "grad_accum": req.grad_accum, "precision": req.precision,
+                   "gradient_checkpointing": req.checkpointing, "optimizer": req.optimizer,
+                   "gpus": req.gpus, "gpus_per_node": req.per_node,
+                   "accelerator": plan.accelerator, "memory_per_device_bytes": plan.budget,
+                   "peak_tflops": plan.peak_tflops, "mfu": req.mfu, "tokens": plan.tokens,
+                   "price_per_gpu_hour": req.price_per_gpu_hour},
+        "stages": stages,
+        "recommendation": {"zero": pick, "reason": plan.reason},
+    }
+
+
+def render(plan: Plan) -> str:
+    """The plan as a table for the terminal."""
+    req, info = plan.request, plan.info
+    nodes = math.ceil(req.gpus / req.per_node)
+    peak = (f"MFU {req.mfu:.0%} of {plan.peak_tflops:,.1f} TFLOP/s"
+            + (f" ({plan.accelerator})" if plan.accelerator else "") if plan.peak_tflops else
+            "no peak TFLOP/s for time and cost (give --gpu NAME or --peak-tflops)")
+    lines = [
+        f"{req.model} ({info.objective}): {info.size.parameters / 1e6:,.1f}M parameters, vocab "
+        f"{info.shape.vocab:,}, seq-len {req.seq_len}, {req.precision}, {req.optimizer}"
+        f"{', activation checkpointing' if req.checkpointing else ''}",
+        f"{req.gpus} device(s) ({nodes} node(s) x {req.per_node}), {_gb(plan.budget)} GB each; "
+        f"{plan.flops_per_token / 1e9:,.2f} GFLOP per token; {plan.tokens / 1e9:,.2f}B tokens"
+        f"{' (20 per parameter)' if not req.tokens else ''}; {peak}",
+        "",
+    ]
+    rows = _rows(plan)
+    width = max(len(r[0]) for r in rows)
+    for label, cells in rows:
+        lines.append(f"{label:<{width}}" + "".join(f"{c:>13}" for c in cells))
+    lines += ["", f"pick: {plan.reason}"]
+    return "\n".join(lines)
+
+
+def _rows(plan: Plan) -> list[tuple[str, list[str]]]:
+    st = plan.stages
+    mem = [s.memory for s in st]
+
+    def row(label: str, values: list[Any], fmt) -> tuple[str, list[str]]:
+        return label, [("-" if v is None else fmt(v)) for v in values]
+
+    micro = "micro batch" if plan.request.micro_batch else "largest micro batch"
+    return [
+        ("GB per device", [m.setup.label.replace(" + offload", "+off") for m in mem]),
+        row("parameters", [m.parameters for m in mem], _gb),
+        row("gradients", [m.gradients for m in mem], _gb),
+        row("optimizer states", [m.optimizer for m in mem], _gb),
+        row("buffers (comm, ZeRO-3 gathered)", [m.buffers for m in mem], _gb),
+        row(f"activations ({micro})", [m.activations for m in mem], _gb),
+        row("  per sample", [m.activations_per_sample for m in mem], _gb),
+        row("  per sample, checkpointed", [m.activations_per_sample_ckpt for m in mem], _gb),
+        row("backward transient (LM head)", [m.transient for m in mem], _gb),
+        row("fragmentation allowance", [m.fragmentation for m in mem], _gb),
+        row("runtime (context, NCCL)", [m.runtime for m in mem], _gb),
+        row("total", [m.total for m in mem], _gb),
+        row("host memory per node", [m.host_per_node or None for m in mem], _gb),
+        row("largest micro batch", [s.max_micro_batch for s in st], lambda v: f"{v:,}"),
+        row("global batch (samples)", [s.global_batch if s.fits else None for s in st],
+            lambda v: f"{v:,}"),
+        row("tokens/s (whole job)", [s.tokens_per_sec for s in st], lambda v: f"{v:,.0f}"),
+        row("step time (s)", [s.step_time_s if s.fits else None for s in st],
+            lambda v: f"{v:,.2f}"),
+        row("days to train", [s.days for s in st], lambda v: f"{v:,.2f}"),
+        row("cost", [s.cost for s in st], lambda v: f"{v:,.0f}"),
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", required=True, metavar="PRESET", help="model preset (as app train)")
+    a("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
+      help="config field override (as app train)")
+    a("--vocab-size", type=int, metavar="N", help="vocabulary (default: the config class's)")
+    a("--seq-len", type=int, default=128, metavar="N", help="tokens per sample (default 128)")
+    a("--micro-batch", type=int, metavar="N", help="samples per device per pass (default: the "
+      "largest that fits, per stage)")
+    a("--grad-accum", type=int, default=1, metavar="N", help="micro steps per optimizer step")
+    a("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    a("--gradient-checkpointing", dest="checkpointing", action="store_true",
+      help="plan with activation checkpointing")
+    a("--gpus", type=int, default=1, metavar="N", help="devices in the whole job (default 1)")
+    a("--gpus-per-node", type=int, metavar="N", help="devices per node (default min(gpus, 8))")
+    mem = parser.add_mutually_exclusive_group()
+    mem.add_argument("--gpu", metavar="NAME", help=f"accelerator: {', '.join(hardware.names())} "
+                     f"(default {DEFAULT_GPU})")
+    mem.add_argument("--gpu-mem-gb", type=float, metavar="G", help="memory per device (GiB)")
+    a("--peak-tflops", type=float, metavar="F", help="dense peak per device (default: the "
+      "accelerator's for the precision)")
+    a("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES))
+    a("--tokens", type=float, metavar="N", help="tokens to train (default 20 per parameter)")
+    a("--mfu", type=float, default=0.35, metavar="F", help="assumed MFU (default 0.35)")
+    a("--price-per-gpu-hour", type=float, metavar="F", help="for the cost row")
+    a("--mask-prob", type=float, default=0.15, metavar="F", help="MLM masked fraction")
+    a("--attn", default="sdpa", choices=("sdpa", "flash_attention_2", "eager"))
+    a("--runtime-gb", type=float, metavar="G", help="per-device runtime memory (default "
+      f"{GPU.runtime_bytes / GiB:g})")
+    a("--fragmentation", type=float, metavar="F", help="allowance on activations (default "
+      f"{GPU.fragmentation:g})")
+    a("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = set(PlanRequest.__dataclass_fields__)
+    req = PlanRequest(**{k: v for k, v in vars(args).items() if k in names and k != "model_args"},
+                      model_args=tuple(args.model_args))
+    plan = make_plan(req)
+    if args.json:
+        json.dump(to_json(plan), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(render(plan))
+    return 0

@@ -75,20 +75,23 @@ def dropout_flags(config: Any) -> tuple[bool, bool]:
 
 def zero_setups(hidden: int) -> list[ZeroSetup]:
     """ZeRO 0-3 and 3 + offload, with the buffer sizes of this repo's ds_configs/*.json."""
-    from app.engine import fill_auto, load_ds_config, zero_config_path
+    from app.engine import load_ds_config, zero_config_path
 
     out = []
     for stem, offload in SETUPS:
         path = zero_config_path(0).with_name(f"{stem}.json")
-        ds = fill_auto(load_ds_config(path), micro_batch=1, grad_accum=1, world_size=1,
-                       precision="bf16", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                       hidden_size=hidden, pin_memory=False, where=path)
-        out.append(setup_from_ds(ds, offload))
+        out.append(setup_from_ds(load_ds_config(path), hidden, path, offload))
     return out
 
 
-def setup_from_ds(ds: dict[str, Any], offload: bool | None = None) -> ZeroSetup:
-    """The ZeroSetup a (filled) DeepSpeed config describes."""
+def setup_from_ds(ds: dict[str, Any], hidden: int, where: Any,
+                  offload: bool | None = None) -> ZeroSetup:
+    """The ZeroSetup a DeepSpeed config describes (its "auto" sizes filled as `app train` does)."""
+    from app.engine import fill_auto
+
+    ds = fill_auto(ds, micro_batch=1, grad_accum=1, world_size=1, precision="bf16", lr=1e-3,
+                   betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, hidden_size=hidden,
+                   pin_memory=False, where=where)
     zero = ds.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     if offload is None:

@@ -1,0 +1,199 @@
+"""One measurement for `app tune`: a short real `app train` run in its own process group.
+
+A probe is a separate process (or the deepspeed launcher and its ranks) in a new session, so an
+out-of-memory failure, a budget overrun or Ctrl-C never leaves the tuner unusable: the whole
+group is terminated, then killed, and reaped before `run_probe` returns. On CPU there is no
+device OOM, so a watchdog enforces the memory budget on each rank's resident memory; on an
+accelerator the real OOM error is the boundary (and the run's reported peak is checked too).
+The measurements come back through the run's metrics.jsonl, not through trainer internals.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+GiB = 2 ** 30
+OOM_MARKERS = ("out of memory", "outofmemoryerror", "cannot allocate memory",
+               "can't allocate memory", "memoryerror", "std::bad_alloc")
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one probe measured (per rank figures are the maximum over ranks)."""
+
+    ok: bool
+    """Ran its steps within the memory budget."""
+    reason: str
+    """"ok", "over budget", "out of memory", "timeout" or "failed: <the error line>"."""
+    peak_bytes: int | None
+    """Peak memory of the worst rank: reported by the run, or seen by the watchdog."""
+    step_time_ms: float | None
+    """Last logged window (steady state: later than the first step)."""
+    data_wait_pct: float | None
+    tokens_per_sec: float | None
+    seconds: float
+    """Wall time of the probe, start-up included."""
+
+
+def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int, timeout: float,
+              watch_rss: bool, env: dict[str, str] | None = None, poll: float = 0.1
+              ) -> ProbeResult:
+    """Run `cmd` (an `app train` into `run_dir`) and report what it measured."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            verdict, watched = _watch(proc, budget_bytes, timeout, watch_rss, poll)
+        finally:
+            kill_group(proc)  # also on Ctrl-C: nothing outlives the probe
+    seconds = time.monotonic() - started
+    if verdict is None:
+        verdict = "ok" if proc.returncode == 0 else _failure(proc.returncode, log_path)
+    return _result(verdict, run_dir, watched, budget_bytes, seconds)
+
+
+def _watch(proc: subprocess.Popen, budget: int, timeout: float, watch_rss: bool,
+           poll: float) -> tuple[str | None, int]:
+    """Wait for the probe; stop it on a budget overrun (CPU) or timeout. (verdict, peak RSS)"""
+    deadline = time.monotonic() + timeout
+    peak = 0
+    while proc.poll() is None:
+        if watch_rss:
+            peak = max([peak] + [rss_bytes(pid) for pid in rank_pids(proc.pid)])
+            if peak > budget:
+                return "over budget", peak
+        if time.monotonic() > deadline:
+            return "timeout", peak
+        time.sleep(poll)
+    return None, peak
+
+
+def _result(verdict: str, run_dir: Path, watched: int, budget: int,
+            seconds: float) -> ProbeResult:
+    last = last_train_record(run_dir / "metrics.jsonl") if verdict == "ok" else None
+    if verdict == "ok" and last is None:
+        verdict = "failed: the run logged no training step"
+    reported = int(last["sys/max_mem_gb"] * GiB) if last and last.get("sys/max_mem_gb") else None
+    peak = max(filter(None, (reported, watched)), default=None)
+    if verdict == "ok" and peak is not None and peak > budget:
+        verdict = "over budget"
+    get = (lambda k: last.get(k)) if last else (lambda k: None)
+    return ProbeResult(ok=verdict == "ok", reason=verdict, peak_bytes=peak,
+                       step_time_ms=get("perf/step_time_ms"),
+                       data_wait_pct=get("perf/data_wait_pct"),
+                       tokens_per_sec=get("perf/tokens_per_sec"), seconds=seconds)
+
+
+def last_train_record(path: Path) -> dict | None:
+    """The last metrics.jsonl record with training figures (None if there is none)."""
+    if not path.is_file():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "perf/step_time_ms" in record:
+            last = record
+    return last
+
+
+def _failure(returncode: int, log_path: Path) -> str:
+    """Classify a failed probe from its exit status and log."""
+    text = log_path.read_text(errors="replace")
+    if any(m in text.lower() for m in OOM_MARKERS) or returncode in (-signal.SIGKILL, 137):
+        return "out of memory"  # SIGKILL that we did not send: the kernel's OOM killer
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith("[20")]
+    return f"failed: {(errors or lines or ['exit status %d' % returncode])[-1]}"
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL if the tuner dies without cleaning up (Linux prctl)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat and stat[2] == pgid and stat[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, pgid) of a process, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(a == b"-m" and b == b"app" for a, b in zip(argv, argv[1:]))
+
+
+def rank_pids(pgid: int) -> list[int]:
+    """The training processes of a probe (`-m app`), not the launcher nor loader workers."""
+    pids = [p for p in group_pids(pgid) if _is_rank(p)]
+    parents = {p: (_stat(p) or ("", 0, 0))[1] for p in pids}
+    return [p for p in pids if parents[p] not in parents]
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Terminate the probe's whole process group, kill what is left after `grace`, reap."""
+    pgid = proc.pid
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+        if proc.poll() is not None and not group_pids(pgid):
+            break
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and (proc.poll() is None or group_pids(pgid)):
+            time.sleep(0.05)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def free_port() -> int:
+    """A TCP port free right now on this host (a probe's rendezvous port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

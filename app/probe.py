@@ -44,9 +44,13 @@ class ProbeResult:
 
 
 def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int, timeout: float,
-              watch_rss: bool, env: dict[str, str] | None = None, poll: float = 0.1
-              ) -> ProbeResult:
-    """Run `cmd` (an `app train` into `run_dir`) and report what it measured."""
+              watch_rss: bool, env: dict[str, str] | None = None, poll: float = 0.1,
+              rank_module: str = "app") -> ProbeResult:
+    """Run `cmd` (an `app train` into `run_dir`) and report what it measured.
+
+    With `watch_rss`, the processes started as `python -m <rank_module>` (not their forked
+    loader workers) are the ranks whose resident memory must stay within `budget_bytes`.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     log_path = run_dir.parent / f"{run_dir.name}.log"
@@ -54,7 +58,8 @@ def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int, timeout: 
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, preexec_fn=_die_with_parent)
         try:
-            verdict, watched = _watch(proc, budget_bytes, timeout, watch_rss, poll)
+            verdict, watched = _watch(proc, budget_bytes, timeout,
+                                      rank_module if watch_rss else None, poll)
         finally:
             kill_group(proc)  # also on Ctrl-C: nothing outlives the probe
     seconds = time.monotonic() - started
@@ -63,14 +68,14 @@ def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int, timeout: 
     return _result(verdict, run_dir, watched, budget_bytes, seconds)
 
 
-def _watch(proc: subprocess.Popen, budget: int, timeout: float, watch_rss: bool,
+def _watch(proc: subprocess.Popen, budget: int, timeout: float, rank_module: str | None,
            poll: float) -> tuple[str | None, int]:
     """Wait for the probe; stop it on a budget overrun (CPU) or timeout. (verdict, peak RSS)"""
     deadline = time.monotonic() + timeout
     peak = 0
     while proc.poll() is None:
-        if watch_rss:
-            peak = max([peak] + [rss_bytes(pid) for pid in rank_pids(proc.pid)])
+        if rank_module:
+            peak = max([peak] + [rss_bytes(pid) for pid in rank_pids(proc.pid, rank_module)])
             if peak > budget:
                 return "over budget", peak
         if time.monotonic() > deadline:
@@ -149,18 +154,19 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
         return None
 
 
-def _is_rank(pid: int) -> bool:
+def _runs_module(pid: int, module: str) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
     except OSError:
         return False
-    return any(a == b"-m" and b == b"app" for a, b in zip(argv, argv[1:]))
+    return any(a == b"-m" and b == module.encode() for a, b in zip(argv, argv[1:]))
 
 
-def rank_pids(pgid: int) -> list[int]:
-    """The training processes of a probe (`-m app`), not the launcher nor loader workers."""
-    pids = [p for p in group_pids(pgid) if _is_rank(p)]
+def rank_pids(pgid: int, module: str = "app") -> list[int]:
+    """The training processes of a probe (`python -m app`): not the launcher, and not the
+    loader workers they fork (same command line, but a rank for a parent)."""
+    pids = [p for p in group_pids(pgid) if _runs_module(p, module)]
     parents = {p: (_stat(p) or ("", 0, 0))[1] for p in pids}
     return [p for p in pids if parents[p] not in parents]
 

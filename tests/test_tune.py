@@ -1,0 +1,247 @@
+"""`app tune`: the search as math, the probes' process handling, and real tuning runs on CPU."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from app.memory import GiB
+from app.probe import group_pids, kill_group, rank_pids, run_probe
+from app.tune import (SEARCH_TOLERANCE, fit_global_batch, next_micro_batch, pick_workers,
+                      train_flags)
+from tests.helpers import REPO, check, clean_env, metrics, run_app
+
+# -- the search -----------------------------------------------------------------------------------
+
+
+def search(truth: int, cap: int, guess: int | None) -> tuple[list[int], int]:
+    """Run next_micro_batch against a machine where micro batches <= truth fit."""
+    ran, failed, probed = set(), set(), []
+    while (m := next_micro_batch(ran, failed, cap, guess)) is not None:
+        assert m not in probed and len(probed) < 30
+        assert not failed or m < min(failed)  # never above a known failure
+        assert m > max(ran, default=0)  # never below a known success
+        probed.append(m)
+        (ran if m <= truth else failed).add(m)
+    return probed, max(ran, default=0)
+
+
+@pytest.mark.parametrize("truth", [1, 2, 5, 20, 181, 700, 5000])
+@pytest.mark.parametrize("guess", [None, 1, 0.5, 0.9, 1.0, 1.1, 3.0])
+@pytest.mark.parametrize("cap", [64, 1024])
+def test_search_finds_the_largest_within_tolerance(truth, guess, cap):
+    g = None if guess is None else max(1, int(truth * guess))
+    probed, found = search(truth, cap, g)
+    best = min(truth, cap)
+    assert probed[0] == 1 and found <= best
+    assert best - found <= max(1, found // SEARCH_TOLERANCE)
+
+
+def test_a_good_guess_takes_few_probes():
+    assert search(181, 1024, 181)[0] == [1, 181, 204, 192]  # 1, the guess, +12.5%, bisect
+    assert search(1000, 128, 900)[0] == [1, 128]  # the cap is below the guess: done
+
+
+def test_nothing_fits():
+    assert search(0, 1024, 50) == ([1], 0)
+
+
+def test_pick_workers():
+    assert pick_workers({0: 2.5, 1: 0.4, 2: 0.1}, 1.0) == 1
+    assert pick_workers({0: 0.3}, 1.0) == 0
+    assert pick_workers({0: 5.0, 1: 3.0}, 1.0) is None
+
+
+def test_fit_global_batch():
+    assert fit_global_batch(128, None, 2) == 128
+    assert fit_global_batch(100, 512, 2) == 64  # 256 per rank: the largest divisor <= 100
+    assert fit_global_batch(7, 96, 4) == 6
+
+
+def test_train_flags_are_the_non_defaults(tmp_path):
+    values = {"data": tmp_path, "out": tmp_path / "o", "model": "bert-tiny", "seq_len": 128,
+              "micro_batch": 4, "lr": 1e-3, "dropout": 0.0, "gradient_checkpointing": True,
+              "model_arg": ["num_hidden_layers=1"], "zero": 2}
+    assert train_flags(values, {"out", "micro_batch", "zero"}) == [
+        "--data", str(tmp_path.resolve()), "--model", "bert-tiny",
+        "--model-arg", "num_hidden_layers=1", "--seq-len", "128", "--dropout", "0.0",
+        "--gradient-checkpointing"]  # lr is the default: left out; seq-len always in
+
+
+# -- probes: process groups, the watchdog, failures (fake ranks, no torch) -------------------------
+
+FAKE_RANK = textwrap.dedent("""
+    import os, sys, time
+    mb = int(sys.argv[1])
+    block = bytearray(mb * 2**20)  # resident: touched below
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    if os.fork() == 0:  # a "loader worker": same command line, must not count as a rank
+        time.sleep(60)
+        os._exit(0)
+    if sys.argv[2] == "oom":
+        print("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+        sys.exit(1)
+    if sys.argv[2] == "error":
+        print("python -m app train: error: --data x: no such directory", flush=True)
+        sys.exit(2)
+    time.sleep(float(sys.argv[2]))
+""")
+
+
+@pytest.fixture
+def fake(tmp_path):
+    (tmp_path / "fakerank.py").write_text(FAKE_RANK)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+    def probe(mb: int, mode: str, budget_mb: int = 10_000, timeout: float = 30):
+        cmd = [sys.executable, "-m", "fakerank", str(mb), mode]
+        return run_probe(cmd, tmp_path / f"run-{mb}-{mode}", budget_bytes=budget_mb * 2**20,
+                         timeout=timeout, watch_rss=True, env=env, rank_module="fakerank")
+    return probe
+
+
+def no_process_mentions(text: str) -> bool:
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    return False
+        except (OSError, ValueError):
+            continue
+    return True
+
+
+def test_watchdog_stops_a_rank_over_budget(fake, tmp_path):
+    started = time.monotonic()
+    r = fake(200, "30", budget_mb=100)
+    assert not r.ok and r.reason == "over budget" and r.peak_bytes > 100 * 2**20
+    assert time.monotonic() - started < 15  # stopped, not waited for
+    assert no_process_mentions(str(tmp_path / "fakerank"))  # the worker went with the group
+
+
+def test_probe_failures_are_classified(fake):
+    assert fake(10, "oom").reason == "out of memory"
+    r = fake(10, "error")
+    assert r.reason == "failed: python -m app train: error: --data x: no such directory"
+    assert fake(10, "30", timeout=1).reason == "timeout"
+    # a clean exit without metrics is no measurement
+    assert fake(10, "0").reason.startswith("failed: the run logged no training step")
+
+
+def test_ctrl_c_during_a_probe_kills_its_group(fake, tmp_path):
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fake(10, "60")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert no_process_mentions("fakerank")
+
+
+def test_ranks_are_not_their_workers(tmp_path):
+    (tmp_path / "fakerank.py").write_text(FAKE_RANK)
+    proc = subprocess.Popen([sys.executable, "-m", "fakerank", "1", "30"],
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(group_pids(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(group_pids(proc.pid)) == 2  # the rank and its forked worker
+        assert rank_pids(proc.pid, "fakerank") == [proc.pid]
+    finally:
+        kill_group(proc)
+    assert group_pids(proc.pid) == []
+
+
+# -- real tuning on CPU ----------------------------------------------------------------------------
+
+def tune_cmd(dataset: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "app", "tune", "--data", str(dataset), "--out", str(out),
+            "--model", "bert-tiny", "--seq-len", "64", *extra]
+
+
+@pytest.mark.slow
+def test_search_survives_running_out_of_a_small_budget(mlm_dataset, tmp_path):
+    # the budget: what micro batch 1 takes on this machine, plus room for a few dozen samples
+    check(run_app("train", "--data", mlm_dataset, "--out", tmp_path / "one", "--model",
+                  "bert-tiny", "--seq-len", "64", "--micro-batch", "1", "--max-steps", "3",
+                  "--log-every", "1", "--eval-samples", "1", "--wandb", "disabled",
+                  "--num-workers", "0"))
+    base = max(m["sys/max_mem_gb"] for m in metrics(tmp_path / "one") if "sys/max_mem_gb" in m)
+    budget = base + 40 / 1024
+    out = tmp_path / "tuned"
+    proc = subprocess.run(tune_cmd(mlm_dataset, out, "--mem-gb", f"{budget:.4f}",
+                                   "--max-micro-batch", "64", "--max-workers", "1"),
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "tune.json").read_text())
+    probes = report["probes"]
+    over = [p for p in probes if p["reason"] == "over budget"]
+    assert over, probes  # the search did hit the limit and went on
+    best = report["largest_micro_batch"]
+    assert 1 < best < 64
+    assert all(p["micro_batch"] > best for p in over)
+    chosen = [p for p in probes if p["micro_batch"] == best and p["ok"]]
+    assert chosen and all(p["peak_gb"] <= budget for p in chosen)
+    assert "probe 1:" in proc.stderr and "micro batch" in proc.stdout \
+        and "worker" in proc.stdout
+    assert not list(out.glob(".probes-*")) and no_process_mentions(str(out))
+    # the outputs run as they are
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["train_micro_batch_size_per_gpu"] == best
+    args = (out / "train.args").read_text().split("\n")[:-1]
+    assert args[args.index("--micro-batch") + 1] == str(best)
+    check(run_app("train", *args, "--out", tmp_path / "run", "--max-steps", "1",
+                  "--eval-samples", "1", "--wandb", "disabled"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_leaves_nothing_behind(mlm_dataset, tmp_path, sig):
+    out = tmp_path / "tuned"
+    proc = subprocess.Popen(tune_cmd(mlm_dataset, out, "--max-micro-batch", "64"), cwd=REPO,
+                            env=clean_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # wait for the first probe to end; the second is running
+            if line.startswith("probe 1:"):
+                break
+        time.sleep(3)
+        assert proc.poll() is None and not no_process_mentions(str(out))
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert no_process_mentions(str(out))
+    assert not out.exists()  # tune made it, and took it away again
+
+
+def test_bad_input_is_one_line(mlm_dataset, tmp_path):
+    p = run_app("tune", "--data", mlm_dataset, "--zero", "0,7", "--out", tmp_path / "t")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "ZeRO stages" in p.stderr
+    p = run_app("tune", "--data", tmp_path / "missing", "--out", tmp_path / "t")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.slow
+def test_a_budget_below_one_sample_is_one_line(mlm_dataset, tmp_path):
+    p = run_app("tune", "--data", mlm_dataset, "--model", "bert-tiny", "--mem-gb", "0.05",
+                "--out", tmp_path / "t")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "micro batch 1 does not fit" in p.stderr and not (tmp_path / "t").exists()

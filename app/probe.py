@@ -43,13 +43,14 @@ class ProbeResult:
     """Wall time of the probe, start-up included."""
 
 
-def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int, timeout: float,
+def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int | None, timeout: float,
               watch_rss: bool, env: dict[str, str] | None = None, poll: float = 0.1,
               rank_module: str = "app") -> ProbeResult:
     """Run `cmd` (an `app train` into `run_dir`) and report what it measured.
 
     With `watch_rss`, the processes started as `python -m <rank_module>` (not their forked
-    loader workers) are the ranks whose resident memory must stay within `budget_bytes`.
+    loader workers) are the ranks whose resident memory must stay within `budget_bytes`
+    (None: no budget; the peak is still recorded).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -68,7 +69,7 @@ def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int, timeout: 
     return _result(verdict, run_dir, watched, budget_bytes, seconds)
 
 
-def _watch(proc: subprocess.Popen, budget: int, timeout: float, rank_module: str | None,
+def _watch(proc: subprocess.Popen, budget: int | None, timeout: float, rank_module: str | None,
            poll: float) -> tuple[str | None, int]:
     """Wait for the probe; stop it on a budget overrun (CPU) or timeout. (verdict, peak RSS)"""
     deadline = time.monotonic() + timeout
@@ -76,7 +77,7 @@ def _watch(proc: subprocess.Popen, budget: int, timeout: float, rank_module: str
     while proc.poll() is None:
         if rank_module:
             peak = max([peak] + [rss_bytes(pid) for pid in rank_pids(proc.pid, rank_module)])
-            if peak > budget:
+            if budget is not None and peak > budget:
                 return "over budget", peak
         if time.monotonic() > deadline:
             return "timeout", peak
@@ -84,14 +85,14 @@ def _watch(proc: subprocess.Popen, budget: int, timeout: float, rank_module: str
     return None, peak
 
 
-def _result(verdict: str, run_dir: Path, watched: int, budget: int,
+def _result(verdict: str, run_dir: Path, watched: int, budget: int | None,
             seconds: float) -> ProbeResult:
     last = last_train_record(run_dir / "metrics.jsonl") if verdict == "ok" else None
     if verdict == "ok" and last is None:
         verdict = "failed: the run logged no training step"
     reported = int(last["sys/max_mem_gb"] * GiB) if last and last.get("sys/max_mem_gb") else None
     peak = max(filter(None, (reported, watched)), default=None)
-    if verdict == "ok" and peak is not None and peak > budget:
+    if verdict == "ok" and peak is not None and budget is not None and peak > budget:
         verdict = "over budget"
     get = (lambda k: last.get(k)) if last else (lambda k: None)
     return ProbeResult(ok=verdict == "ok", reason=verdict, peak_bytes=peak,

@@ -177,7 +177,10 @@ class Prober:
                  "--log-every", str(log_every), "--eval-samples", "1", "--wandb", "disabled",
                  "--resume", "never"]
         env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
-        result = run_probe(probe_command(flags, s.ranks), run_dir, budget_bytes=s.mem_bytes,
+        # The batch search settles memory (workers 0); loader workers are processes of their
+        # own, so a worker probe is not stopped for a rank's few MB of noise at the edge.
+        budget = s.mem_bytes if workers == 0 else None
+        result = run_probe(probe_command(flags, s.ranks), run_dir, budget_bytes=budget,
                            timeout=s.probe_timeout, watch_rss=s.cpu, env=env)
         shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints of a probe are of no use
         probe = Probe(cand.label, micro, workers, result)

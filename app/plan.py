@@ -272,6 +272,13 @@ def _gb(n: float) -> str:
     return f"{n / GiB:,.2f}"
 
 
+def _duration(days: float) -> str:
+    if days >= 1:
+        return f"{days:,.1f} d"
+    hours = days * 24
+    return f"{hours:.1f} h" if hours >= 1 else f"{hours * 60:.1f} min"
+
+
 @dataclass(frozen=True)
 class Plan:
     """Everything `app plan` reports."""
@@ -459,7 +466,7 @@ def _rows(plan: Plan) -> list[tuple[str, list[str]]]:
         row("tokens/s (whole job)", [s.tokens_per_sec for s in st], lambda v: f"{v:,.0f}"),
         row("step time (s)", [s.step_time_s if s.fits else None for s in st],
             lambda v: f"{v:,.2f}"),
-        row("days to train", [s.days for s in st], lambda v: f"{v:,.2f}"),
+        row("time to train the tokens", [s.days for s in st], _duration),
         row("cost", [s.cost for s in st], lambda v: f"{v:,.0f}"),
     ]
 

@@ -26,7 +26,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from app import config as config_mod
 from app.config import TrainConfig
@@ -162,10 +162,12 @@ class Candidate:
 
 
 class Prober:
-    """Runs numbered probes into one directory and prints a progress line for each."""
+    """Runs numbered probes into one directory; hands each finished one to `report`."""
 
-    def __init__(self, base_flags: list[str], settings: TuneSettings, probes_dir: Path):
+    def __init__(self, base_flags: list[str], settings: TuneSettings, probes_dir: Path,
+                 report: Callable[[int, Probe], None]):
         self.base_flags, self.settings, self.dir = base_flags, settings, probes_dir
+        self.report = report
         self.done: list[Probe] = []
 
     def __call__(self, cand: Candidate, micro: int, workers: int, steps: int,
@@ -185,7 +187,7 @@ class Prober:
         shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints of a probe are of no use
         probe = Probe(cand.label, micro, workers, result)
         self.done.append(probe)
-        print(progress_line(len(self.done), probe, s.mem_bytes), file=sys.stderr, flush=True)
+        self.report(len(self.done), probe)
         return probe
 
 
@@ -526,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, cpu, cfg.model_name)
     info, work = planner_inputs(cfg, settings.ranks, cpu)
     cands = candidates(args, settings, info.shape.hidden)
-    created = not settings.out.exists()
+    created = [d for d in (settings.out, *settings.out.parents) if not d.exists()]
     with interrupt_on_term():
         settings.out.mkdir(parents=True, exist_ok=True)
         probes_dir = Path(tempfile.mkdtemp(prefix=".probes-", dir=settings.out))
@@ -535,14 +537,17 @@ def run(args: argparse.Namespace) -> int:
                   f"{settings.mem_bytes / GiB:.2f} GB per rank, micro batch up to "
                   f"{settings.max_micro_batch}, {', '.join(c.label for c in cands)}",
                   file=sys.stderr, flush=True)
-            prober = Prober(train_flags(values, PROBE_FLAGS), settings, probes_dir)
+            prober = Prober(train_flags(values, PROBE_FLAGS), settings, probes_dir,
+                            lambda n, p: print(progress_line(n, p, settings.mem_bytes),
+                                               file=sys.stderr, flush=True))
             res = tune(cands, settings, prober,
                        planner_guess(info, work, cpu, settings.mem_bytes), cfg.global_batch)
             paths = write_outputs(res, settings, values)
         finally:
             shutil.rmtree(probes_dir, ignore_errors=True)
-            if created and settings.out.is_dir() and not any(settings.out.iterdir()):
-                settings.out.rmdir()
+            for d in created:  # directories tune made, if it leaves nothing in them
+                if d.is_dir() and not any(d.iterdir()):
+                    d.rmdir()
     print("\n".join(report_lines(res, settings)))
     args_file = paths[2]
     print(f"wrote {paths[0]}, {args_file} and {paths[1]}\n"

@@ -550,6 +550,7 @@ def run(args: argparse.Namespace) -> int:
                     d.rmdir()
     print("\n".join(report_lines(res, settings)))
     args_file = paths[2]
+    ranks = f"--procs-per-node {settings.ranks} " if settings.ranks > 1 else ""
     print(f"wrote {paths[0]}, {args_file} and {paths[1]}\n"
-          f"run: ./launch.sh -- $(cat {args_file}) --out RUN_DIR")
+          f"run: ./launch.sh {ranks}-- $(cat {args_file}) --out RUN_DIR")
     return 0

@@ -73,8 +73,9 @@ def next_micro_batch(ran: set[int], failed: set[int], cap: int, guess: int | Non
 
     1 first (does it run at all; calibrates the planner), then the planner's `guess`. With no
     failure yet: 12.5% up from a confirmed guess, else double; below a failed guess: down by
-    12.5%, then 25% steps (three at most); otherwise bisect (on a log scale while the bounds are more than 2x
-    apart). Done when nothing runs, at the cap, or when the gap is within 1/SEARCH_TOLERANCE.
+    12.5%, then 25% steps (three at most); otherwise bisect (on a log scale while the bounds
+    are more than 2x apart). Done when nothing runs, at the cap, or when the gap is within
+    1/SEARCH_TOLERANCE.
     """
     if not ran and not failed:
         return 1

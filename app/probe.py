@@ -6,6 +6,10 @@ group is terminated, then killed, and reaped before `run_probe` returns. On CPU 
 device OOM, so a watchdog enforces the memory budget on each rank's resident memory; on an
 accelerator the real OOM error is the boundary (and the run's reported peak is checked too).
 The measurements come back through the run's metrics.jsonl, not through trainer internals.
+
+On CPU the peak is each rank's VmHWM (/proc/PID/status), not the run's `sys/max_mem_gb`: that
+is `ru_maxrss`, which Linux carries across exec from the parent's memory, so a rank started by
+a large parent (this tuner, pytest) would report at least the parent's resident size.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ class ProbeResult:
     reason: str
     """"ok", "over budget", "out of memory", "timeout" or "failed: <the error line>"."""
     peak_bytes: int | None
-    """Peak memory of the worst rank: reported by the run, or seen by the watchdog."""
+    """Peak memory of the worst rank: its VmHWM on CPU, the run's `sys/max_mem_gb` otherwise."""
     step_time_ms: float | None
     """Last logged window (steady state: later than the first step)."""
     data_wait_pct: float | None
@@ -61,6 +65,7 @@ def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int | None, ti
         try:
             verdict, watched = _watch(proc, budget_bytes, timeout,
                                       rank_module if watch_rss else None, poll)
+            watched = watched if watch_rss else None
         finally:
             kill_group(proc)  # also on Ctrl-C: nothing outlives the probe
     seconds = time.monotonic() - started
@@ -76,7 +81,7 @@ def _watch(proc: subprocess.Popen, budget: int | None, timeout: float, rank_modu
     peak = 0
     while proc.poll() is None:
         if rank_module:
-            peak = max([peak] + [rss_bytes(pid) for pid in rank_pids(proc.pid, rank_module)])
+            peak = max([peak] + [peak_rss_bytes(p) for p in rank_pids(proc.pid, rank_module)])
             if budget is not None and peak > budget:
                 return "over budget", peak
         if time.monotonic() > deadline:
@@ -85,13 +90,13 @@ def _watch(proc: subprocess.Popen, budget: int | None, timeout: float, rank_modu
     return None, peak
 
 
-def _result(verdict: str, run_dir: Path, watched: int, budget: int | None,
+def _result(verdict: str, run_dir: Path, watched: int | None, budget: int | None,
             seconds: float) -> ProbeResult:
     last = last_train_record(run_dir / "metrics.jsonl") if verdict == "ok" else None
     if verdict == "ok" and last is None:
         verdict = "failed: the run logged no training step"
     reported = int(last["sys/max_mem_gb"] * GiB) if last and last.get("sys/max_mem_gb") else None
-    peak = max(filter(None, (reported, watched)), default=None)
+    peak = watched or reported  # on CPU the watched VmHWM: see the module docstring
     if verdict == "ok" and peak is not None and budget is not None and peak > budget:
         verdict = "over budget"
     get = (lambda k: last.get(k)) if last else (lambda k: None)
@@ -172,12 +177,16 @@ def rank_pids(pgid: int, module: str = "app") -> list[int]:
     return [p for p in pids if parents[p] not in parents]
 
 
-def rss_bytes(pid: int) -> int:
+def peak_rss_bytes(pid: int) -> int:
+    """A process's peak resident memory since its exec (VmHWM), 0 if it is gone."""
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     except (OSError, IndexError, ValueError):
-        return 0
+        pass
+    return 0
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
@@ -204,3 +213,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def remove_shm_buffers(port: int, shm_dir: Path = Path("/dev/shm")) -> None:
+    """Unlink the shared-memory all-reduce buffers of a multi-rank CPU run that used `port`.
+
+    DeepSpeed's CPU backend (ops/csrc/cpu/comm/shm.cpp) creates one 66 MB buffer per rank,
+    named deepspeed_allreduce_buffer_<uid>_<address>_<port>_<rank>, and never unlinks it: every
+    2-rank CPU run leaves 132 MB of RAM behind in /dev/shm.
+    """
+    for path in shm_dir.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        path.unlink(missing_ok=True)

@@ -31,9 +31,13 @@ from typing import Any, Callable, Iterator
 from app import config as config_mod
 from app.config import TrainConfig
 from app.memory import CPU, GPU, GiB, ZeroSetup, Workload
-from app.probe import ProbeResult, free_port, run_probe
+from app.probe import ProbeResult, free_port, remove_shm_buffers, run_probe
 from data_tools.errors import UserError
-from data_tools.manifest import write_json_atomic, write_text_atomic
+
+try:  # data_tools.output after the data_tools reshape (main); data_tools.manifest before it
+    from data_tools.output import write_json_atomic, write_text_atomic
+except ImportError:
+    from data_tools.manifest import write_json_atomic, write_text_atomic
 
 # Flags tune sets on every probe (the user's values of these are not passed through).
 PROBE_FLAGS = {"out", "micro_batch", "num_workers", "max_steps", "log_every", "eval_every",
@@ -183,22 +187,26 @@ class Prober:
         # The batch search settles memory (workers 0); loader workers are processes of their
         # own, so a worker probe is not stopped for a rank's few MB of noise at the edge.
         budget = s.mem_bytes if workers == 0 else None
-        result = run_probe(probe_command(flags, s.ranks), run_dir, budget_bytes=budget,
-                           timeout=s.probe_timeout, watch_rss=s.cpu, env=env)
-        shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints of a probe are of no use
+        port = free_port()
+        try:
+            result = run_probe(probe_command(flags, s.ranks, port), run_dir, budget_bytes=budget,
+                               timeout=s.probe_timeout, watch_rss=s.cpu, env=env)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints of a probe are of no use
+            if s.ranks > 1 and s.cpu:
+                remove_shm_buffers(port)
         probe = Probe(cand.label, micro, workers, result)
         self.done.append(probe)
         self.report(len(self.done), probe)
         return probe
 
 
-def probe_command(flags: list[str], ranks: int) -> list[str]:
+def probe_command(flags: list[str], ranks: int, port: int) -> list[str]:
     """`python -m app train FLAGS`, through the deepspeed launcher for more than one rank."""
     if ranks == 1:
         return [sys.executable, "-m", "app", "train", *flags]
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-            "--master_port", str(free_port()), "--no_local_rank", "--module", "app", "train",
-            *flags]
+            "--master_port", str(port), "--no_local_rank", "--module", "app", "train", *flags]
 
 
 def progress_line(n: int, p: Probe, budget: int) -> str:

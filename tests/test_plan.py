@@ -6,6 +6,8 @@ import contextlib
 import io
 import json
 import re
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -19,10 +21,11 @@ from app.__main__ import main
 from app.memory import (CPU, GiB, Workload, ZeroSetup, activation_bytes, calibrate_runtime,
                         host_bytes_per_node, max_micro_batch, model_state_bytes, plan_memory,
                         zero3_working_set)
-from app.model import IGNORE_INDEX, PRESETS, build_config, build_model
+from app.masking import IGNORE_INDEX
+from app.model import PRESETS, build_config, build_model
 from app.plan import PlanRequest, describe_model, dropout_flags, make_plan, zero_setups
 from data_tools.manifest import load_manifest
-from tests.helpers import check, launch, metrics, run_app
+from tests.helpers import REPO, check, clean_env, launch, metrics
 
 # -- DeepSpeed's estimators, where they overlap -------------------------------------------------
 
@@ -257,11 +260,20 @@ def planned_total(dataset, preset: str, zero: int, ranks: int, seq: int, micro: 
     return plan.total, plan
 
 
+def run_fresh(*args) -> subprocess.CompletedProcess:
+    """`python -m app ARGS` started by a shell that forks it: `sys/max_mem_gb` is ru_maxrss,
+    which Linux carries across exec from the parent's memory, and this pytest process is large.
+    (The deepspeed launcher's ranks start from the launcher, a small process.)"""
+    cmd = ["/bin/sh", "-c", '"$@" & wait $!', "sh", sys.executable, "-m", "app", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=900)
+
+
 def measured_peak(dataset, out, preset: str, zero: int, ranks: int, seq: int,
                   micro: int) -> int:
     args = ["train", "--data", dataset, "--out", out, "--model", preset, "--zero", str(zero),
             "--seq-len", str(seq), "--micro-batch", str(micro), *STEPS]
-    check(run_app(*args) if ranks == 1 else launch(*args, procs=ranks))
+    check(run_fresh(*args) if ranks == 1 else launch(*args, procs=ranks))
     return int(max(m["sys/max_mem_gb"] for m in metrics(out) if "sys/max_mem_gb" in m) * GiB)
 
 

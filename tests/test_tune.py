@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from app.probe import group_pids, kill_group, rank_pids, run_probe
+from app.probe import group_pids, kill_group, rank_pids, remove_shm_buffers, run_probe
 from app.tune import (SEARCH_TOLERANCE, fit_global_batch, next_micro_batch, pick_workers,
                       train_flags)
 from tests.helpers import REPO, check, clean_env, metrics, run_app
+from tests.test_plan import run_fresh
 
 # -- the search -----------------------------------------------------------------------------------
 
@@ -166,6 +167,16 @@ def test_ranks_are_not_their_workers(tmp_path):
     assert group_pids(proc.pid) == []
 
 
+def test_a_probes_shm_buffers_are_removed(tmp_path):
+    uid = os.getuid()
+    names = [f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_{rank}"
+             for port, rank in ((1234, 0), (1234, 1), (12345, 0))]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    remove_shm_buffers(1234, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == names[2:]
+
+
 # -- real tuning on CPU ----------------------------------------------------------------------------
 
 def tune_cmd(dataset: Path, out: Path, *extra: str) -> list[str]:
@@ -176,10 +187,10 @@ def tune_cmd(dataset: Path, out: Path, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_search_survives_running_out_of_a_small_budget(mlm_dataset, tmp_path):
     # the budget: what micro batch 1 takes on this machine, plus room for a few dozen samples
-    check(run_app("train", "--data", mlm_dataset, "--out", tmp_path / "one", "--model",
-                  "bert-tiny", "--seq-len", "64", "--micro-batch", "1", "--max-steps", "3",
-                  "--log-every", "1", "--eval-samples", "1", "--wandb", "disabled",
-                  "--num-workers", "0"))
+    check(run_fresh("train", "--data", mlm_dataset, "--out", tmp_path / "one", "--model",
+                    "bert-tiny", "--seq-len", "64", "--micro-batch", "1", "--max-steps", "3",
+                    "--log-every", "1", "--eval-samples", "1", "--wandb", "disabled",
+                    "--num-workers", "0"))
     base = max(m["sys/max_mem_gb"] for m in metrics(tmp_path / "one") if "sys/max_mem_gb" in m)
     budget = base + 40 / 1024
     out = tmp_path / "tuned"

@@ -54,8 +54,8 @@ def describe_model(name: str, *, vocab_size: int | None = None,
                           attn_implementation=attn_implementation)
     shape = ModelShape.from_config(config)  # refuses shapes that do not divide
     try:
-        with torch.device("meta"):
-            model = build_model(config, sparse_mlm_head=True)
+        with torch.device("meta"):  # the training model's sparse MLM head has the same weights
+            model = build_model(config)
     except (ValueError, TypeError, RuntimeError) as e:
         raise UserError(f"--model {name}: {str(e).splitlines()[0]}") from None
     unique = {id(t): t for t in model.parameters()}.values()

@@ -9,6 +9,7 @@ count its parameters.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import sys
@@ -89,10 +90,11 @@ def setup_from_ds(ds: dict[str, Any], hidden: int, where: Any,
     """The ZeroSetup a DeepSpeed config describes (its "auto" sizes filled as `app train` does)."""
     from app.engine import fill_auto
 
-    ds = fill_auto(ds, micro_batch=1, grad_accum=1, world_size=1, precision="bf16", lr=1e-3,
-                   betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, hidden_size=hidden,
-                   pin_memory=False, where=where)
-    zero = ds.get("zero_optimization", {})
+    kwargs = dict(micro_batch=1, grad_accum=1, world_size=1, precision="bf16", lr=1e-3,
+                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=False, where=where)
+    if "hidden_size" in inspect.signature(fill_auto).parameters:  # sizes "auto" from the width
+        kwargs["hidden_size"] = hidden
+    zero = fill_auto(ds, **kwargs).get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     if offload is None:
         offload = stage == 3 and _offloaded(zero.get("offload_param"))

@@ -23,7 +23,8 @@ ZeRO-2 mixed is then 2P + 18P/N, DeepSpeed's figure exactly. For ZeRO-3 DeepSpee
 Buffers: ZeRO-0 flattens the gradients for the all-reduce (min(P, 5e8) elements); ZeRO-1/2 keep
 reduce (x2 with overlap_comm) and all-gather buckets; ZeRO-3 keeps the gathered parameters
 (up to `stage3_max_live_parameters`, so with this repo's zero3.json the whole model of any
-model below 1e9 parameters), the gradients of one layer in flight and its reduce bucket.
+model below 1e9 parameters), the gradients of one layer in flight, its reduce bucket and the
+prefetch bucket.
 ZeRO-3 + offload keeps only that working set on the device; the states live in host memory
 (18P per node's share, x1.5 for pinned buffers, DeepSpeed's figure).
 
@@ -95,6 +96,8 @@ class ZeroSetup:
     overlap_comm: bool = False
     max_live_parameters: int = 1_000_000_000
     """ZeRO-3 keeps up to this many gathered parameters alive between uses."""
+    prefetch_bucket: int = 50_000_000
+    """ZeRO-3 gathers the next parameters ahead of use in a bucket of this many elements."""
 
     @property
     def label(self) -> str:
@@ -220,7 +223,7 @@ def buffer_bytes(setup: ZeroSetup, params: int, largest_layer: int, precision: s
         return reduce + w * min(params, setup.allgather_bucket)
     live = min(params, max(setup.max_live_parameters, largest_layer))
     return (zero3_working_set(live, largest_layer, w)
-            + w * min(params, setup.reduce_bucket))
+            + w * min(params, setup.reduce_bucket) + w * min(params, setup.prefetch_bucket))
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,9 @@ def setup_from_ds(ds: dict[str, Any], hidden: int, where: Any,
                                                    default.allgather_bucket)),
                      overlap_comm=bool(zero.get("overlap_comm", False)),
                      max_live_parameters=int(zero.get("stage3_max_live_parameters",
-                                                      default.max_live_parameters)))
+                                                      default.max_live_parameters)),
+                     prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size",
+                                                  default.prefetch_bucket)))
 
 
 def _offloaded(section: Any) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from typing import Mapping, NoReturn, Sequence
 
@@ -22,6 +23,17 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def finite_float(text: str) -> float:
+    """argparse type for every float flag: a number, never NaN or an infinity."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def run_cli(prog: str, description: str, commands: Mapping[str, tuple[str, str]],
@@ -49,6 +61,12 @@ def run_cli(prog: str, description: str, commands: Mapping[str, tuple[str, str]]
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"{prog} {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except OSError as e:  # the environment, not a bug: a full disk, a permission, a missing file
+        from data_tools.output import DISK_FULL, disk_full_message
+        what = (disk_full_message(e.filename or "?") if e.errno in DISK_FULL
+                else f"{e.filename or 'a file'}: {e.strerror or e}")
+        print(f"{prog} {args.command}: error: {what}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"{prog} {args.command}: interrupted", file=sys.stderr, flush=True)

@@ -17,7 +17,6 @@ directory without it is never mistaken for a dataset.
 from __future__ import annotations
 
 import argparse
-import errno
 import fnmatch
 import json
 import math
@@ -39,14 +38,14 @@ import numpy as np
 from tqdm import tqdm
 
 from data_tools import manifest as mf
+from data_tools import output
 from data_tools.corpus import DEFAULT_INCLUDE, PIECE_CHARS, Corpus
-from data_tools.errors import UserError
+from data_tools.errors import UserError, finite_float
 from data_tools.indexed import ShardWriter, bin_path, idx_path, token_dtype
 
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_SHARD_TOKENS = 1_000_000_000
 BATCH_CHARS = 1 << 20
-_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 # What a tokenizer directory may hold that belongs to the tokenizer (copied into the dataset).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "*.model",
@@ -60,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="dataset directory to write")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="tokenizer processes (default: all cores); output does not depend on it")
-    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+    p.add_argument("--val-fraction", type=finite_float, default=DEFAULT_VAL_FRACTION,
                    help="share of documents for the val split (0: no val split)")
     p.add_argument("--text-key", default="text", help="JSONL key holding the text")
     p.add_argument("--include", default=DEFAULT_INCLUDE,
@@ -164,8 +163,7 @@ class TokenizerInfo:
         return tok
 
     def _read_files(self) -> dict[str, bytes]:
-        """The tokenizer's own files (not a model's weights next to them), held in memory so
-        that `--tokenizer DIR/tokenizer --out DIR --overwrite` survives clearing DIR."""
+        """The tokenizer's own files (not a model's weights next to them), held in memory."""
         files = {}
         for f in sorted(self.directory.iterdir()):
             if f.is_file() and any(fnmatch.fnmatch(f.name, g) for g in TOKENIZER_FILES):
@@ -392,29 +390,31 @@ class Preparer:
         shutil.rmtree(self.out / mf.TOKENIZER_DIR, ignore_errors=True)
 
 
-def _prepare_out_dir(out: Path, overwrite: bool) -> bool:
-    """Make `out` ready for writing; True if this run created it (so cleanup removes it)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: exists and is not a directory")
+def _prepare_out_dir(args: argparse.Namespace) -> bool:
+    """Make --out ready for writing; True if this run created it (so cleanup removes it).
+
+    Leftovers of an interrupted prepare (shards, no dataset.json) are replaced without asking;
+    a complete dataset only with --overwrite; anything else is refused (docs/design.md,
+    "Outputs")."""
+    out: Path = args.out
+    inputs = [("--input", Path(p)) for p in args.input] + [("--tokenizer", args.tokenizer)]
+    entries = list(out.iterdir()) if out.is_dir() else []
+    leftovers = bool(entries) and all(_ours(e) for e in entries) \
+        and not (out / mf.MANIFEST).exists()
+    if not leftovers:
+        output.claim(out, "dataset", "data_tools prepare", overwrite=args.overwrite,
+                     inputs=inputs, recognise=lambda d: (d / mf.MANIFEST).is_file())
+    else:
+        output.check_apart(out, inputs)
     if not out.exists():
-        try:
-            out.mkdir(parents=True)
-        except OSError as e:
-            raise UserError(f"{out}: cannot create the output directory ({e.strerror})") from None
+        output.make_dirs(out)
         return True
-    entries = list(out.iterdir())
-    if (out / mf.MANIFEST).exists():
-        if not overwrite:
-            raise UserError(f"{out}: already holds a dataset (use --overwrite to replace it)")
-    elif entries and not all(_ours(e) for e in entries):
-        strangers = sorted(e.name for e in entries if not _ours(e))
-        raise UserError(f"{out}: not empty and not a dataset (holds {strangers[0]}); "
-                        f"choose an empty or new directory")
     # The manifest goes first: from here on the directory is not a complete dataset.
-    (out / mf.MANIFEST).unlink(missing_ok=True)
-    for e in entries:
-        if _ours(e) and e.name != mf.MANIFEST:
-            shutil.rmtree(e) if e.is_dir() else e.unlink()
+    with output.writing(out):
+        (out / mf.MANIFEST).unlink(missing_ok=True)
+        for e in entries:
+            if _ours(e) and e.name != mf.MANIFEST:  # what prepare made, nothing else
+                shutil.rmtree(e) if e.is_dir() else e.unlink()
     return False
 
 
@@ -492,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     corpus = Corpus(args.input, args.include, args.text_key, args.strict, args.piece_chars)
     tok = TokenizerInfo(args.tokenizer)
-    created_out = _prepare_out_dir(args.out, args.overwrite)
+    created_out = _prepare_out_dir(args)
     p = Preparer(args, tok, corpus)
     ok = False
     try:
@@ -509,11 +509,7 @@ def run(args: argparse.Namespace) -> int:
         mf.write_manifest(args.out, m)
         ok = True
     except OSError as e:
-        if e.errno in _DISK_FULL:
-            where = e.filename or _current_path(p)
-            raise UserError(f"out of disk space writing {where}") from None
-        raise UserError(f"{e.filename or _current_path(p)}: cannot write ({e.strerror or e})") \
-            from None
+        raise output.write_error(e, _current_path(p)) from None
     finally:
         if not ok:
             p.abort()

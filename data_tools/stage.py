@@ -37,6 +37,7 @@ from typing import Any, Callable
 from filelock import FileLock, Timeout
 from tqdm import tqdm
 
+from data_tools import output
 from data_tools.errors import UserError
 from data_tools.manifest import (MANIFEST, TOKENIZER_DIR, dataset_files, file_checksum,
                                  format_digest, load_manifest, new_hasher)
@@ -213,26 +214,8 @@ class _State:
 
     def _save_locked(self, fsync: bool) -> None:
         data = json.dumps({"fingerprint": self.fingerprint, "files": self.files}).encode()
-        _write_atomic(self.path, data, fsync=fsync)
+        output.write_bytes_atomic(self.path, data, fsync=fsync)
         self._saved_at = time.monotonic()
-
-
-def _write_atomic(path: Path, data: bytes, fsync: bool = True) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- copying
@@ -422,6 +405,20 @@ def _prepare_dst(dst: Path) -> None:
         raise UserError(f"{dst}: destination is not writable ({e.strerror})") from None
 
 
+def _check_dst_is_ours(dst: Path, specs: list[FileSpec]) -> None:
+    """Refuse a non-empty destination that is neither a dataset nor a stage in progress: its
+    files would be mixed with the dataset's (docs/design.md, "Outputs")."""
+    if not dst.is_dir() or (dst / MANIFEST).exists() or (dst / STATE_NAME).exists():
+        return
+    expected = {LOCK_NAME} | {PurePosixPath(s.rel).parts[0] for s in specs}
+    strangers = sorted(p.name for p in dst.iterdir()
+                       if p.name not in expected and not p.name.startswith(".stage-probe.")
+                       and not p.name.endswith((PARTIAL_SUFFIX, ".tmp")))
+    if strangers:
+        raise UserError(f"--dst {dst}: not empty and not a dataset (holds {strangers[0]}); "
+                        f"choose an empty or new directory (nothing was changed)")
+
+
 def _is_complete(dst: Path, fingerprint: str, specs: list[FileSpec], state: _State) -> bool:
     try:
         dst_manifest = json.loads((dst / MANIFEST).read_text())
@@ -501,8 +498,8 @@ def _stage(src: Path, dst: Path, *, workers: int | None, overwrite: bool, progre
     fingerprint = _fingerprint(manifest)
     specs = sorted(plan_files(src, manifest), key=lambda s: -s.size)  # big files first
     stats = StageStats(files=len(specs), total_bytes=sum(s.size for s in specs))
-    if dst.exists() and dst.resolve() == src.resolve():
-        raise UserError(f"{dst}: destination is the source directory")
+    output.check_apart(dst, [("--src", src)], flag="--dst")
+    _check_dst_is_ours(dst, specs)
 
     state = _State(dst, fingerprint)
     if (not verify_existing and dst.is_dir() and state.load() == fingerprint
@@ -565,9 +562,8 @@ def _stage_locked(src: Path, dst: Path, manifest_bytes: bytes, fingerprint: str,
             stats.rehashed_files = copier.rehashed_files
             state.save()
     for directory in sorted({(dst / s.rel).parent for s in specs}):
-        _fsync_dir(directory)
-    _write_atomic(dst / MANIFEST, manifest_bytes)  # last: now the copy is complete
-    _fsync_dir(dst)
+        output.fsync_dir(directory)
+    output.write_bytes_atomic(dst / MANIFEST, manifest_bytes)  # last: now the copy is complete
 
 
 def stage_dataset(src: Path, dst: Path, *, workers: int | None = None, overwrite: bool = False,

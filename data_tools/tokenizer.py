@@ -13,15 +13,12 @@ huggingface/tokenizers#1794). That is why a dataset keeps its own copy of the to
 from __future__ import annotations
 
 import argparse
-import errno
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from tqdm import tqdm
 
+from data_tools import output
 from data_tools.corpus import DEFAULT_INCLUDE, Corpus
 from data_tools.errors import UserError
 
@@ -30,6 +27,7 @@ WORDPIECE_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "
 EOT = "<|endoftext|>"
 BPE_SPECIALS = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "pad_token": "<|pad|>"}
 DEFAULT_MAX_LENGTH = {"wordpiece": 512, "bpe": 1024}
+KIND, COMMAND = "tokenizer directory", "data_tools tokenizer"
 _BATCH_CHARS = 1 << 20
 
 
@@ -131,33 +129,16 @@ def wrap(tok, kind: str, model_max_length: int):
                                    clean_up_tokenization_spaces=False, **specials)
 
 
-def save(fast, out: Path, overwrite: bool) -> None:
+def save(fast, out: Path) -> None:
     """Write into a temporary sibling, then rename: a half-saved directory never sits at `out`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with output.new_dir(out, KIND, COMMAND) as tmp:
         fast.save_pretrained(str(tmp))
-        if out.exists():
-            if overwrite:
-                shutil.rmtree(out) if out.is_dir() else out.unlink()
-            elif out.is_dir() and not any(out.iterdir()):
-                out.rmdir()
-            else:
-                raise UserError(f"{out}: already exists (use --overwrite to replace it)")
-        os.replace(tmp, out)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise UserError(f"out of disk space writing the tokenizer to {out}") from None
-        raise UserError(f"{out}: cannot write the tokenizer ({e.strerror or e})") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:
     out: Path = args.out
-    if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out}: already exists (use --overwrite to replace it)")
+    output.claim(out, KIND, COMMAND, overwrite=args.overwrite,
+                 inputs=[("--input", Path(p)) for p in args.input])
     lowest = min_vocab_size(args.kind)
     if args.vocab_size < lowest:
         raise UserError(f"--vocab-size {args.vocab_size}: a {args.kind} vocabulary needs at least "
@@ -169,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--model-max-length {max_len}: must be at least 2")
     corpus = Corpus(args.input, args.include, args.text_key, args.strict)
     tok = train(corpus, args.kind, args.vocab_size, args.min_frequency, args.lowercase)
-    save(wrap(tok, args.kind, max_len), out, args.overwrite)
+    save(wrap(tok, args.kind, max_len), out)
     s = corpus.stats
     replaced = f", {s.replaced_chars} invalid UTF-8 sequences replaced" if s.replaced_chars else ""
     print(f"tokenizer: {args.kind}, vocabulary {tok.get_vocab_size(with_added_tokens=True)} "

@@ -52,7 +52,8 @@ def write_dataset(root: Path, splits: dict[str, list[list[list[int]]]], *,
         "vocab_size": VOCAB, "eod_token_id": SEP, "pad_token_id": PAD,
         "mask_token_id": mask_token_id, "cls_token_id": cls_token_id,
         "tokenizer": {"dir": "tokenizer", "fingerprint": "xxh3_128:0", "files": []},
-        "checksum_algorithm": "xxh3_128", "splits": manifest_splits})
+        "checksum_algorithm": "xxh3_128", "splits": manifest_splits,
+        "fingerprint": "xxh3_128:test"})
     return root
 
 

@@ -7,11 +7,12 @@ recorded next to this config in RUN_DIR/config.json.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from data_tools.errors import UserError
+from data_tools.errors import UserError, finite_float
 
 RESUME_MODES = ("auto", "never")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -83,6 +84,8 @@ class TrainConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted after a newer save completed."""
+    save_errors: str = "stop"
+    """stop|skip: a save that fails (full disk) stops the run, or is skipped with a warning."""
     eval_every: int = 0
     """Evaluate on the val split every N steps (0: only at the end)."""
     eval_samples: int = 256
@@ -99,6 +102,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.data, self.out = Path(self.data), Path(self.out)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"--{_flag(f.name)} {value}: must be a finite number")
         for name in ("seq_len", "micro_batch", "max_steps", "log_every", "keep_last",
                      "eval_samples"):
             _positive(name, getattr(self, name))
@@ -134,8 +141,6 @@ class TrainConfig:
             raise UserError(f"--wandb {self.wandb!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.attn not in ATTENTION:
             raise UserError(f"--attn {self.attn!r}: expected one of {', '.join(ATTENTION)}")
-        if self.data.resolve() == self.out.resolve():
-            raise UserError(f"--out {self.out}: is the dataset directory")
 
     @property
     def model_name(self) -> str:
@@ -189,13 +194,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add(name, type=int, metavar="N")
     for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "dropout",
                  "mask_prob"):
-        add(name, type=float, metavar="F")
+        add(name, type=finite_float, metavar="F")
     add("lr_decay", choices=("cosine", "linear", "constant"))
     add("gradient_checkpointing", action="store_true")
     add("attn", choices=ATTENTION)
     add("packing", choices=("concat", "doc"))
     add("resume", metavar="auto|never|PATH")
     add("overwrite", action="store_true")
+    add("save_errors", choices=("stop", "skip"))
     add("stage_to", type=Path, metavar="DIR")
     add("wandb", choices=WANDB_MODES)
     add("wandb_project", metavar="NAME")

@@ -163,6 +163,81 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     return ds
 
 
+class _ReadKeys(dict):
+    """A dict that notes which keys were looked up: DeepSpeed reads its top-level keys with
+    .get and ignores the rest, so a key it never looked up is one it does not know."""
+
+    def __init__(self, data: dict[str, Any]):
+        super().__init__(data)
+        self.read: set[str] = set()
+
+    def get(self, key, *default):
+        self.read.add(key)
+        return super().get(key, *default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def _pydantic_key(ds: dict[str, Any], error) -> str:
+    """'zero_optimization.bogus_key' from a DeepSpeed section model's validation error."""
+    loc = ".".join(str(p) for p in error["loc"])
+    first = str(error["loc"][0]) if error["loc"] else ""
+    for key, section in ds.items():
+        if isinstance(section, dict) and first in section:
+            return f"{key}.{loc}"
+    return loc
+
+
+def validate_ds_config(ds: dict[str, Any], where: Path) -> list[str]:
+    """Check a filled config through DeepSpeed's own config model, before any process group.
+
+    What DeepSpeed refuses becomes one UserError naming the key; returns warnings for top-level
+    keys DeepSpeed does not know (it ignores them silently: usually a typo).
+    """
+    import difflib
+    import logging
+
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+    from deepspeed.utils import logger
+    from pydantic import ValidationError
+
+    probe = _ReadKeys(copy.deepcopy(ds))
+    # DeepSpeed checks the batch sizes against the current world, which is one rank here
+    probe["train_batch_size"] = (probe["train_micro_batch_size_per_gpu"]
+                                 * probe["gradient_accumulation_steps"])
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # its config parsing logs at info on every rank
+    try:
+        DeepSpeedConfig(probe)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise UserError(f"{where}: key '{_pydantic_key(ds, err)}': {err['msg']} (DeepSpeed's "
+                        f"config check)") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{where}: DeepSpeed refuses this config: {e}") from None
+    finally:
+        logger.setLevel(level)
+    opt = ds.get("optimizer", {}).get("type", "")
+    if opt.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, opt):
+        raise UserError(f"{where}: key 'optimizer.type' is {opt!r}: neither a DeepSpeed optimizer "
+                        f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor one of torch.optim")
+    clip = ds.get("gradient_clipping", 0.0)
+    if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
+        raise UserError(f"{where}: key 'gradient_clipping' is {clip!r}: expected a number >= 0")
+    warnings = []
+    for key in sorted(set(ds) - probe.read):
+        close = difflib.get_close_matches(key, sorted(probe.read), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        warnings.append(f"{where}: key '{key}' is not a DeepSpeed setting and is ignored{hint}")
+    return warnings
+
+
 def _auto_paths(node: Any, prefix: str = "") -> list[str]:
     if isinstance(node, dict):
         return [p for k, v in node.items() for p in _auto_paths(v, f"{prefix}{k}.")]
@@ -254,6 +329,19 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     if _several_ranks():
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return tensor
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any (a collective: every rank must call it)."""
+    if not _several_ranks():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def all_gather_object(obj: Any) -> list[Any]:

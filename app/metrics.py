@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ from typing import Any, Mapping
 
 from tqdm import tqdm
 
-METRICS = "metrics.jsonl"
+from app import rundir
+from data_tools.output import to_json, write_text_atomic
+
 CONSOLE_KEYS = (("train/loss", "loss {:.4f}"), ("eval/loss", "eval_loss {:.4f}"),
                 ("eval/accuracy", "eval_acc {:.3f}"), ("eval/perplexity", "ppl {:.2f}"),
                 ("train/lr", "lr {:.2e}"), ("train/grad_norm", "gnorm {:.3f}"),
@@ -33,21 +36,21 @@ def wandb_mode(requested: str | None, env: Mapping[str, str] = os.environ) -> st
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop records past `step` (logged by a run that died before its next checkpoint)."""
+    """Drop records past `step` (logged by a run that died before its next checkpoint), and
+    lines a crash cut short."""
     if not path.is_file():
         return
     kept = []
-    with open(path) as f:
-        for line in f:
+    with open(path, "rb") as f:
+        for raw in f:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash
-            if record.get("step", 0) <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+                record = json.loads(raw.decode("utf-8"))
+                keep = isinstance(record, dict) and int(record.get("step", 0)) <= step
+            except (ValueError, TypeError):
+                continue  # a line cut by a crash, or not a record of ours
+            if keep:
+                kept.append(raw.decode("utf-8").rstrip("\n") + "\n")
+    write_text_atomic(path, "".join(kept), fsync=False)
 
 
 class MetricsLogger:
@@ -60,7 +63,7 @@ class MetricsLogger:
         self._file = None
         if not enabled:
             return
-        path = run_dir / METRICS
+        path = run_dir / rundir.METRICS
         if resumed_step is not None:
             truncate_after(path, resumed_step)
         elif path.exists():
@@ -74,7 +77,7 @@ class MetricsLogger:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in record.items() if v is not None}
-        self._file.write(json.dumps(clean) + "\n")
+        self._file.write(to_json(clean, indent=None) + "\n")
         parts = [fmt.format(clean[k]) for k, fmt in CONSOLE_KEYS if clean.get(k) is not None]
         tqdm.write(f"step {clean['step']:>6} | " + " | ".join(parts), file=sys.stderr)
         if self.wandb_run is not None:
@@ -99,10 +102,10 @@ class MetricsLogger:
 def _start_wandb(run_dir: Path, mode: str, run_config: dict, project: str, run_name: str):
     import wandb  # lazily: slow to import, rank 0 only
 
-    id_file = run_dir / "wandb" / "run_id"
+    id_file = run_dir / rundir.WANDB_ID
     id_file.parent.mkdir(parents=True, exist_ok=True)
-    run_id = id_file.read_text().strip() if id_file.is_file() else None
-    if not run_id:
+    run_id = id_file.read_bytes().decode("utf-8", "replace").strip() if id_file.is_file() else ""
+    if not re.fullmatch(r"[0-9a-z]{1,64}", run_id):  # missing, or not an id we wrote
         run_id = secrets.token_hex(4)  # wandb's id alphabet; kept so a resume continues it
         id_file.write_text(run_id + "\n")
     return wandb.init(project=project, name=run_name, id=run_id, resume="allow",

@@ -75,29 +75,79 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise UserError(f"--model-arg {item!r}: expected KEY=VALUE, e.g. num_hidden_layers=4")
         try:
-            out[key] = json.loads(raw)
+            out[key] = json.loads(raw, parse_constant=_not_finite)
         except json.JSONDecodeError:
             out[key] = raw
+        except ValueError:
+            raise UserError(f"--model-arg {item}: not a finite number") from None
     return out
+
+
+def _not_finite(name: str) -> Any:
+    raise ValueError(name)
+
+
+# Fields that count something (an int >= 1 when set) and names that hold probabilities.
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size", "max_position_embeddings", "num_key_value_heads", "n_inner",
+                "head_dim", "type_vocab_size")
+_PROBABILITY_MARKS = ("dropout", "pdrop")
+
+
+def check_config(config: PretrainedConfig, overrides: Mapping[str, Any]) -> None:
+    """Ranges that `transformers` checks late or never (its config classes check types only):
+    sizes at least 1, probabilities in [0, 1), heads dividing the width. UserError naming the
+    --model-arg key."""
+    amap = getattr(config, "attribute_map", {})
+
+    def flag(field: str) -> str:
+        names = [field, amap.get(field)] + [k for k, v in amap.items() if v == field]
+        given = next((n for n in names if n in overrides), field)  # as the user spelled it
+        return f"--model-arg {given}={getattr(config, field)!r}"
+
+    for field in _SIZE_FIELDS:
+        value = getattr(config, field, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{flag(field)}: must be a whole number, at least 1")
+    for key, value in config.to_dict().items():
+        if any(m in key for m in _PROBABILITY_MARKS) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and not 0.0 <= value < 1.0:
+            raise UserError(f"{flag(key)}: a probability, must be in [0, 1)")
+    heads = config.num_attention_heads
+    if config.hidden_size % heads:
+        raise UserError(f"{flag('hidden_size')}: not a multiple of num_attention_heads {heads}")
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv and heads % kv:
+        raise UserError(f"{flag('num_key_value_heads')}: does not divide num_attention_heads "
+                        f"{heads}")
 
 
 def build_config(name: str, *, vocab_size: int, special_ids: Mapping[str, int | None],
                  overrides: Mapping[str, Any] | None = None, dropout: float | None = None,
                  attn_implementation: str = "sdpa") -> PretrainedConfig:
-    """The preset's config with the tokenizer's vocabulary and ids, then the user's overrides."""
+    """The preset's config with the tokenizer's vocabulary and ids, then the user's overrides
+    (type-checked by the config class itself, range-checked by `check_config`)."""
     p = preset(name)
+    overrides = dict(overrides or {})
     fields = dict(p.fields)
     fields["vocab_size"] = vocab_size
     fields.update({k: v for k, v in special_ids.items() if v is not None})
-    config = p.config_class(**fields)
-    for key in _DROPOUT_FIELDS.get(config.model_type, ()):
+    default = p.config_class(**fields)
+    for key in _DROPOUT_FIELDS.get(default.model_type, ()):
         if dropout is not None:
-            setattr(config, key, float(dropout))
-    for key, value in (overrides or {}).items():
-        if not hasattr(config, key):
-            raise UserError(f"--model-arg {key}={value!r}: {config.model_type} configs have no "
+            fields[key] = float(dropout)
+    for key, value in overrides.items():
+        if not hasattr(default, key):
+            raise UserError(f"--model-arg {key}={value!r}: {default.model_type} configs have no "
                             f"field '{key}'")
-        setattr(config, key, value)
+        fields[default.attribute_map.get(key, key)] = value
+    try:
+        config = p.config_class(**fields)
+    except Exception as e:  # noqa: BLE001 - transformers' strict field validation
+        raise UserError(f"--model-arg: {str(e).strip().splitlines()[-1].strip()}") from None
+    check_config(config, overrides)
     if int(config.vocab_size) < vocab_size:
         raise UserError(f"--model-arg vocab_size={config.vocab_size}: the dataset's token ids go "
                         f"up to {vocab_size - 1} (vocab_size {vocab_size} in dataset.json)")

@@ -6,39 +6,19 @@ throughput against tokens seen.
 """
 from __future__ import annotations
 
-import json
+import io
 from pathlib import Path
 from typing import Any
 
-from data_tools.errors import UserError
-from data_tools.manifest import read_json
+from app import rundir
+from data_tools import output
 
-METRICS = "metrics.jsonl"
-SUMMARY = "summary.json"
 PLOT = "curves.png"
 
 
 def add_arguments(p) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run directory of app train")
     p.add_argument("--out", type=Path, help=f"picture to write (default RUN_DIR/{PLOT})")
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / METRICS
-    if not path.is_file():
-        raise UserError(f"{run_dir}: no {METRICS} (not a run directory, or no step logged yet)")
-    rows = []
-    lines = path.read_text().splitlines()
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            # a run killed mid-write leaves a torn last line: skip it, refuse any other
-            if lineno < len(lines):
-                raise UserError(f"{path}: line {lineno}: not valid JSON ({e.msg})") from None
-    return rows
 
 
 def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -54,7 +34,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
+    rows = rundir.read_metrics(run_dir)
     out = out or run_dir / PLOT
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
@@ -72,14 +52,16 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(str(run_dir))
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
+    output.write_bytes_atomic(out, buf.getvalue())
     return out
 
 
 def run(args) -> int:
     run_dir: Path = args.run_dir
-    rows = read_metrics(run_dir)
+    rows = rundir.read_metrics(run_dir)
     train = [r for r in rows if "train/loss" in r]
     evals = [r for r in rows if "eval/loss" in r]
     if train:
@@ -91,9 +73,9 @@ def run(args) -> int:
         extra = f", eval/accuracy {e['eval/accuracy']:.3f}" if "eval/accuracy" in e else ""
         print(f"eval/loss {evals[0]['eval/loss']:.3f} -> {e['eval/loss']:.3f} "
               f"(perplexity {e.get('eval/perplexity', float('nan')):.1f}{extra})")
-    if (run_dir / SUMMARY).is_file():
-        s = read_json(run_dir / SUMMARY)
-        print(f"{s.get('steps')} steps, {s.get('tokens_seen'):,} tokens, "
+    s = rundir.read_summary(run_dir)
+    if s is not None:
+        print(f"{s['steps']} steps, {s['tokens_seen']:,} tokens, "
               f"{s.get('tokens_per_sec', 0):,.0f} tokens/s, {s.get('wall_seconds', 0):.0f} s")
     print(f"curves: {plot_run(run_dir, args.out)}")
     return 0

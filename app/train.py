@@ -18,23 +18,23 @@ from typing import Any
 
 import torch
 
-from app import checkpoint
+from app import checkpoint, rundir
 from app import config as config_mod
 from app.config import TrainConfig
 from app.device import Device, attention_implementation, detect, set_cpu_threads
 from app.engine import (World, adopt_launcher_env, all_gather_object, barrier, fill_auto,
-                        init_distributed, initialize, load_ds_config, settle_precision, versions,
+                        init_distributed, initialize, load_ds_config, settle_precision,
+                        validate_ds_config, versions,
                         world_from_env, zero_config_path, zero_stage)
-from app.metrics import METRICS, MetricsLogger, wandb_mode
+from app.metrics import MetricsLogger, wandb_mode
 from app.model import (build_config, build_model, count_parameters, max_positions,
                        parse_overrides, preset)
 from app.schedule import schedule_fn
-from app.trainer import REFERENCE, Schedule, Trainer, TrainState
+from app.trainer import Schedule, Trainer, TrainState
 from data_tools.errors import UserError
-from data_tools.manifest import TOKENIZER_DIR, load_manifest, write_json_atomic
-
-RUN_CONFIG = "config.json"
-SUMMARY = "summary.json"
+from data_tools.manifest import TOKENIZER_DIR, load_manifest, tokenizer_fingerprint
+from data_tools import output
+from data_tools.output import write_json_atomic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +68,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     from app.data import DataSpec, dataset_stats  # the data side (loaders) of the app
 
     manifest = load_manifest(cfg.data)
+    check_tokenizer_copy(cfg.data, manifest)
     p = preset(cfg.model_name)
     objective = cfg.objective or p.objective
     if objective != p.objective:
@@ -112,13 +113,18 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay, hidden_size=int(hidden),
                    pin_memory=device.pin_memory, where=ds_path)
+    for warning in validate_ds_config(ds, ds_path):
+        if world.is_main:
+            print(f"warning: {warning}", file=sys.stderr)
     resume = check_run_dir(cfg)
     resume_state = None
     if resume is not None:
         resume_state = checkpoint.read_state(*resume)
         checkpoint.check_resumable(resume_state, fingerprint=manifest["fingerprint"],
                                    model_config=model_config.to_dict(),
+                                   sample_layout=sample_layout(cfg, objective),
                                    where=resume[0] / resume[1])
+        checkpoint.check_files(resume[0] / resume[1])
         saved_world = resume_state.get("world_size")
         if zero_stage(ds) > 0 and saved_world not in (None, world.world_size):
             raise UserError(f"{resume[0] / resume[1]}: written by {saved_world} ranks with ZeRO "
@@ -131,6 +137,22 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
               file=sys.stderr)
     return Plan(cfg, device, world, manifest, model_config, objective, ds, ds_path, precision,
                 micro, accum, gbs, total_steps, warmup, has_eval, resume, resume_state)
+
+
+def sample_layout(cfg: TrainConfig, objective: str) -> dict[str, Any]:
+    """The settings that decide which sample a stream position is (checkpoint.SAMPLE_LAYOUT)."""
+    values = {**cfg.to_dict(), "objective": objective}
+    return {k: values[k] for k in checkpoint.SAMPLE_LAYOUT}
+
+
+def check_tokenizer_copy(data: Path, manifest: dict[str, Any]) -> None:
+    """The dataset's tokenizer copy must be the one it was made with (one hash of one file)."""
+    tok_dir = data / manifest["tokenizer"].get("dir", TOKENIZER_DIR)
+    found = tokenizer_fingerprint(tok_dir)
+    if found != manifest["tokenizer"]["fingerprint"]:
+        raise UserError(f"{tok_dir / 'tokenizer.json'}: fingerprint {found} does not match "
+                        f"{data / 'dataset.json'}'s {manifest['tokenizer']['fingerprint']} "
+                        f"(replaced or corrupt; run `python -m data_tools inspect --verify`)")
 
 
 def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
@@ -152,30 +174,37 @@ def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
 
 def check_run_dir(cfg: TrainConfig) -> tuple[Path, str] | None:
     """The checkpoint to resume from (or None), refusing to clobber a previous run silently."""
-    if cfg.out.exists() and not cfg.out.is_dir():
-        raise UserError(f"--out {cfg.out}: exists and is not a directory")
+    rundir.check_out(cfg.out, cfg.data)
+    ckpt_dir = cfg.out / rundir.CHECKPOINTS
     resume = checkpoint.find_resume(cfg.resume, cfg.out)
     if resume is None and not cfg.overwrite:
-        previous = [n for n in (checkpoint.CHECKPOINTS, METRICS, SUMMARY)
+        previous = [n for n in (rundir.CHECKPOINTS, rundir.METRICS, rundir.SUMMARY)
                     if (cfg.out / n).exists()]
-        has_ckpt = checkpoint.latest_tag(cfg.out / checkpoint.CHECKPOINTS) is not None
+        has_ckpt = checkpoint.latest_tag(ckpt_dir) is not None
         if previous and (cfg.resume == "never" or has_ckpt):
             raise UserError(f"--out {cfg.out}: holds a previous run ({', '.join(previous)}); "
                             f"continue it with --resume auto, or replace it with --overwrite")
-    if resume is not None:
-        newer = checkpoint.tags_after(cfg.out / checkpoint.CHECKPOINTS, resume[1])
+    # with --resume auto, tags newer than `latest` are interrupted saves (prepare_run_dir)
+    if resume is not None and cfg.resume != "auto":
+        newer = checkpoint.tags_after(ckpt_dir, resume[1])
         if newer:  # saving here would interleave two histories and prune the wrong one
-            raise UserError(f"--resume {resume[0] / resume[1]}: {cfg.out / checkpoint.CHECKPOINTS}"
-                            f" holds later checkpoints ({', '.join(newer)}); resume into another "
-                            f"--out, or move those away")
+            raise UserError(f"--resume {resume[0] / resume[1]}: {ckpt_dir} holds later "
+                            f"checkpoints ({', '.join(newer)}); resume into another --out, or "
+                            f"move those away")
     return resume
 
 
-def clear_run_dir(run_dir: Path) -> None:
-    """--overwrite: remove what a previous run left (only the files this app writes)."""
-    shutil.rmtree(run_dir / checkpoint.CHECKPOINTS, ignore_errors=True)
-    for name in (METRICS, SUMMARY, REFERENCE, RUN_CONFIG, "wandb/run_id"):
-        (run_dir / name).unlink(missing_ok=True)
+def prepare_run_dir(cfg: TrainConfig, resume: tuple[Path, str] | None) -> None:
+    """Main rank, before the process group: clear (--overwrite), create and mark RUN_DIR, and
+    remove what an interrupted save left (tags newer than `latest`)."""
+    if cfg.overwrite and resume is None and rundir.is_run_dir(cfg.out):
+        rundir.clear(cfg.out)
+    rundir.create(cfg.out)
+    if cfg.resume != "auto":
+        return
+    for tag in checkpoint.remove_partial_saves(cfg.out / rundir.CHECKPOINTS):
+        print(f"removed {cfg.out / rundir.CHECKPOINTS / tag}: an interrupted save (`latest` "
+              f"names an earlier checkpoint)", file=sys.stderr)
 
 
 def stage_data(cfg: TrainConfig, world: World) -> Path:
@@ -204,12 +233,7 @@ def run(args: argparse.Namespace) -> int:
     adopt_launcher_env()
     plan = plan_run(cfg, device, world_from_env())
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
-        if cfg.overwrite and plan.resume is None:
-            clear_run_dir(cfg.out)
-        try:
-            cfg.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"--out {cfg.out}: cannot create ({e.strerror})") from None
+        prepare_run_dir(cfg, plan.resume)
     world = init_distributed(device)
     barrier()
     data_dir = stage_data(cfg, world) if cfg.stage_to else cfg.data
@@ -222,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     engine = initialize(model, plan.ds_config, lr_lambda)
     torch.manual_seed(cfg.seed * 1_000_003 + world.rank + 1)  # dropout: a stream per rank
     state = TrainState()
-    ckpt_dir = cfg.out / checkpoint.CHECKPOINTS
+    ckpt_dir = cfg.out / rundir.CHECKPOINTS
     if plan.resume is not None:
         saved = checkpoint.load(engine, *plan.resume, rank=world.rank)
         state = TrainState(step=saved["step"], consumed_samples=saved["consumed_samples"],
@@ -240,10 +264,11 @@ def run(args: argparse.Namespace) -> int:
               f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
               f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
               file=sys.stderr)
-        write_json_atomic(cfg.out / RUN_CONFIG, run_config)
+        write_json_atomic(cfg.out / rundir.RUN_CONFIG, run_config)
         tok_src = data_dir / plan.manifest["tokenizer"].get("dir", TOKENIZER_DIR)
         if tok_src.is_dir():
-            shutil.copytree(tok_src, cfg.out / TOKENIZER_DIR, dirs_exist_ok=True)
+            with output.writing(cfg.out / rundir.TOKENIZER_DIR):
+                shutil.copytree(tok_src, cfg.out / rundir.TOKENIZER_DIR, dirs_exist_ok=True)
     trainer = build_trainer(plan, engine, world, data_dir, state, ckpt_dir, run_config)
     try:
         summary = trainer.fit()
@@ -253,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         summary = {**summary, "wall_seconds": round(time.time() - started, 3),
                    "stopped_early": state.step < plan.total_steps,
                    "resumed_from": str(plan.resume[0] / plan.resume[1]) if plan.resume else None}
-        write_json_atomic(cfg.out / SUMMARY, summary)
+        write_json_atomic(cfg.out / rundir.SUMMARY, summary)
         print(f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens, "
               f"{summary['tokens_per_sec']:,.0f} tokens/s; run in {cfg.out}", file=sys.stderr)
     barrier()
@@ -331,4 +356,5 @@ def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: Train
                    schedule=schedule, state=state, seq_len=cfg.seq_len, objective=plan.objective,
                    train_batches=train_batches,
                    eval_batches=eval_batches if plan.has_eval else None, logger=logger,
-                   ckpt_dir=ckpt_dir, checkpoint_extra=extra, run_dir=cfg.out)
+                   ckpt_dir=ckpt_dir, checkpoint_extra=extra, run_dir=cfg.out,
+                   skip_failed_saves=cfg.save_errors == "skip")

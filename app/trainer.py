@@ -22,9 +22,10 @@ from app.device import memory_gb, to_device
 from app.engine import (World, all_reduce_max, all_reduce_sum, grad_norm_before_step, loss_scale,
                         reported_grad_norm)
 from app.metrics import MetricsLogger
+from app.rundir import REFERENCE
+from data_tools.output import writing
 
 IGNORE_INDEX = -100
-REFERENCE = "reference.pt"
 
 
 @dataclass
@@ -58,13 +59,14 @@ class Trainer:
                  train_batches: Callable[[int], Iterable],
                  eval_batches: Callable[[], Iterable] | None,
                  logger: MetricsLogger, ckpt_dir: Path, checkpoint_extra: dict[str, Any],
-                 run_dir: Path):
+                 run_dir: Path, skip_failed_saves: bool = False):
         self.engine, self.world, self.device = engine, world, device
         self.schedule, self.state = schedule, state
         self.seq_len, self.objective = seq_len, objective
         self.eval_batches = eval_batches
         self.logger, self.ckpt_dir, self.run_dir = logger, ckpt_dir, run_dir
         self.checkpoint_extra = checkpoint_extra
+        self.skip_failed_saves = skip_failed_saves
         self.global_batch = engine.train_batch_size()  # read back: the engine owns batch sizes
         self.grad_accum = engine.gradient_accumulation_steps()
         # the loaders draw from a private generator (app.data), so this leaves dropout's RNG alone
@@ -187,13 +189,14 @@ class Trainer:
         self._window_start += time.perf_counter() - t0  # evaluation is not training time
         return result
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
         state = {**asdict(self.state), **self.checkpoint_extra}
         t0 = time.perf_counter()
         path = checkpoint.save(self.engine, self.ckpt_dir, step=self.state.step, state=state,
-                               rank=self.world.rank, keep_last=self.schedule.keep_last)
+                               rank=self.world.rank, keep_last=self.schedule.keep_last,
+                               skip_errors=self.skip_failed_saves)
         self._window_start += time.perf_counter() - t0  # saving is not training time
-        if self.world.is_main:
+        if self.world.is_main and path is not None:
             tqdm.write(f"saved {path}", file=sys.stderr)
         return path
 
@@ -209,9 +212,10 @@ class Trainer:
                              attention_mask=mask.to(self.device)).logits
         self.engine.train()
         if self.world.is_main:
-            torch.save({"input_ids": ids, "attention_mask": mask,
-                        "logits": logits.float().cpu(), "step": self.state.step},
-                       self.run_dir / REFERENCE)
+            with writing(self.run_dir / REFERENCE):
+                torch.save({"input_ids": ids, "attention_mask": mask,
+                            "logits": logits.float().cpu(), "step": self.state.step},
+                           self.run_dir / REFERENCE)
 
     def summary(self) -> dict[str, Any]:
         s = self.state

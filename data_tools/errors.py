@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
 from typing import Mapping, NoReturn, Sequence
 
@@ -23,17 +22,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n")
-
-
-def finite_float(text: str) -> float:
-    """argparse type for every float flag: a number, never NaN or an infinity."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
 
 
 def run_cli(prog: str, description: str, commands: Mapping[str, tuple[str, str]],

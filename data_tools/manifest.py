@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Iterator, Literal
 
 import xxhash
 
@@ -59,16 +59,33 @@ def format_digest(hasher) -> str:
     return f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}"
 
 
+def read_chunks(f: BinaryIO, buf: memoryview, limit: int | None = None) -> Iterator[memoryview]:
+    """The one read loop of checksums, verification and staging: successive chunks of the open
+    file `f` (up to `limit` bytes), each read into `buf` (reused, so use a chunk before the
+    next) and filled completely unless the file ends (network filesystems return short reads)."""
+    left = limit
+    while left is None or left > 0:
+        want = len(buf) if left is None else min(len(buf), left)
+        got = 0
+        while got < want:
+            n = f.readinto(buf[got:want])
+            if not n:
+                break
+            got += n
+        if not got:
+            return
+        yield buf[:got]
+        if left is not None:
+            left -= got
+        if got < want:
+            return
+
+
 def file_checksum(path: str | os.PathLike, chunk: int = _CHUNK) -> str:
     h = new_hasher()
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
+        for piece in read_chunks(f, memoryview(bytearray(chunk))):
+            h.update(piece)
     return format_digest(h)
 
 
@@ -164,6 +181,26 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     if "train" not in manifest["splits"]:
         raise UserError(f"{path}: key 'splits' has no 'train' split")
     return manifest
+
+
+_NAMED_SPECIALS = ("eod_token_id", "pad_token_id", "mask_token_id", "cls_token_id",
+                   "unk_token_id", "bos_token_id")
+
+
+def special_ids(dataset_dir: str | os.PathLike, manifest: dict[str, Any]) -> set[int]:
+    """Every special token id of the dataset's tokenizer (MLM never selects or draws them).
+
+    `prepare` records them in dataset.json (`special_token_ids`); for a dataset made before it
+    did, they are read from its tokenizer copy."""
+    ids = {manifest.get(k) for k in _NAMED_SPECIALS}
+    if manifest.get("special_token_ids") is not None:
+        ids.update(manifest["special_token_ids"])
+    else:
+        tok_json = Path(dataset_dir) / manifest["tokenizer"].get("dir", TOKENIZER_DIR) \
+            / "tokenizer.json"
+        added = read_json(tok_json).get("added_tokens") or [] if tok_json.is_file() else []
+        ids.update(t["id"] for t in added if t.get("special") and isinstance(t.get("id"), int))
+    return {int(i) for i in ids if isinstance(i, int)}
 
 
 def shard_prefixes(dataset_dir: str | os.PathLike, manifest: dict[str, Any],

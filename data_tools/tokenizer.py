@@ -90,31 +90,17 @@ def min_vocab_size(kind: str) -> int:
     return len(WORDPIECE_SPECIALS) + 1 if kind == "wordpiece" else 256 + 2 + 1
 
 
-def _batches(texts: Iterator[str], bar: tqdm, corpus: Corpus) -> Iterator[list[str]]:
-    """Groups pieces into ~1 MB batches for the trainer (it takes an iterator of lists)."""
-    batch: list[str] = []
-    chars = 0
-    seen = 0
-    for text in texts:
-        batch.append(text)
-        chars += len(text)
-        if chars >= _BATCH_CHARS:
-            bar.update(corpus.stats.bytes - seen)
-            seen = corpus.stats.bytes
-            yield batch
-            batch, chars = [], 0
-    bar.update(corpus.stats.bytes - seen)
-    if batch:
-        yield batch
-
-
 def train(corpus: Corpus, kind: str, vocab_size: int, min_frequency: int = 2,
           lowercase: bool = False):
     """Train on the corpus, streaming it (the trainer only keeps word counts)."""
     tok, trainer = build(kind, vocab_size, min_frequency, lowercase)
     with tqdm(total=corpus.input_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               desc="reading corpus", dynamic_ncols=True) as bar:
-        tok.train_from_iterator(_batches(corpus.texts(), bar, corpus), trainer=trainer)
+        def texts() -> Iterator[list[str]]:  # the trainer takes an iterator of lists
+            for batch, _, read in corpus.batches(_BATCH_CHARS):
+                bar.update(read - bar.n)
+                yield batch
+        tok.train_from_iterator(texts(), trainer=trainer)
     if corpus.stats.documents == 0:
         raise UserError(f"empty corpus: no documents in {len(corpus.files)} input file(s)")
     return tok

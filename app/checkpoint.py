@@ -16,7 +16,6 @@ newer than `latest` is what an interrupted save left: a resume removes it. A sav
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
 import sys
@@ -24,14 +23,15 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from pydantic import Field
 
+from app.device import rng_state, set_rng_state
+from app.engine import any_rank, barrier, world_size
 from app.rundir import CHECKPOINTS
+from app.train_state import TrainStateFile
 from data_tools import output
 from data_tools.errors import UserError
-from data_tools.schema import NonNegativeInt, PositiveInt, Schema, read_json
+from data_tools.schema import read_json
 
 LATEST = "latest"
 STATE = "train_state.json"
@@ -40,23 +40,13 @@ TAG_RE = re.compile(r"^global_step(\d+)$")
 SAMPLE_LAYOUT = ("seq_len", "packing", "seed", "objective")
 
 
-class TrainStateFile(Schema):
-    """global_step{N}/train_state.json (and the client state DeepSpeed stores)."""
-
-    step: NonNegativeInt
-    consumed_samples: NonNegativeInt
-    tokens_seen: NonNegativeInt
-    best_eval_loss: float | None = None
-    world_size: PositiveInt
-    global_batch: PositiveInt
-    dataset_fingerprint: str
-    saved_model_config: dict[str, Any] = Field(alias="model_config")  # pydantic's own name
-    run_config: dict[str, Any]
-    ds_config: dict[str, Any]
-
-
 def tag_for(step: int) -> str:
     return f"global_step{step}"
+
+
+def step_of(tag: str) -> int | None:
+    m = TAG_RE.match(tag)
+    return int(m.group(1)) if m else None
 
 
 def latest_tag(ckpt_dir: Path) -> str | None:
@@ -150,27 +140,6 @@ def _may_change(key: str) -> bool:
         "transformers_version", "attn_implementation", "dtype", "torch_dtype", "use_cache"))
 
 
-def rng_state() -> dict[str, Any]:
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if acc.device_name() != "cpu":
-        state["accelerator"] = acc.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    from deepspeed.accelerator import get_accelerator
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "accelerator" in state:
-        get_accelerator().set_rng_state(state["accelerator"])
-
-
 def estimate_bytes(ckpt_dir: Path, engine) -> int:
     """Bytes the next save will write: the newest tag's size, else 16 bytes a parameter (fp32
     weights and master copy, two Adam moments), the most any precision or ZeRO stage writes."""
@@ -190,7 +159,6 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
     the job (the launcher stops the others). `skip_errors` skips the save instead, where that
     is safe: when the ranks agree before writing, or in a world of one. Returns None if skipped.
     """
-    from app.engine import any_rank, world_size
 
     tag = tag_for(step)
     tag_dir = ckpt_dir / tag
@@ -205,13 +173,11 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
     except UserError as e:
         shutil.rmtree(tag_dir, ignore_errors=True)
         return _save_failed(str(e), tag, ckpt_dir, skip_errors and world_size() == 1)
-    import deepspeed.comm as dist
-
-    dist.barrier()  # every rank's partitions are on disk before `latest` moves or anything goes
+    barrier()  # every rank's partitions are on disk before `latest` moves or anything goes
     if rank == 0:
         output.write_text_atomic(ckpt_dir / LATEST, tag)
         prune(ckpt_dir, keep_last)
-    dist.barrier()  # no rank reads `latest` (or starts the next save) before it is written
+    barrier()  # no rank reads `latest` (or starts the next save) before it is written
     return tag_dir
 
 
@@ -261,7 +227,7 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[str]:
     return removed
 
 
-def load(engine, ckpt_dir: Path, tag: str, *, rank: int) -> dict[str, Any]:
+def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
     """Load model, optimizer and scheduler states; return the train state. RNG: `restore_rng`."""
     try:
         path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
@@ -286,3 +252,19 @@ def restore_rng(ckpt_dir: Path, tag: str, *, rank: int) -> bool:
         raise UserError(f"{path}: corrupt or truncated checkpoint file ({e})") from None
     set_rng_state(state)
     return True
+
+
+def consolidated_state_dict(ckpt_dir: Path, tag: str, stage: int) -> dict[str, torch.Tensor]:
+    """fp32 weights of the whole model from one checkpoint tag: ZeRO 1-3 partitions consolidated
+    by DeepSpeed's own zero_to_fp32; a ZeRO-0 checkpoint holds the whole module."""
+    tag_dir = ckpt_dir / tag
+    try:
+        if stage > 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+        module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{tag_dir}: cannot read the checkpoint ({first[:200]})") from None
+    return {k: v.float() for k, v in module.items()}

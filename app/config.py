@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from data_tools.errors import UserError, finite_float
+from data_tools.cli import config_flags, finite_float, flag
+from data_tools.errors import UserError
 
 RESUME_MODES = ("auto", "never")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -105,7 +106,7 @@ class TrainConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise UserError(f"--{_flag(f.name)} {value}: must be a finite number")
+                raise UserError(f"{flag(f.name)} {value}: must be a finite number")
         for name in ("seq_len", "micro_batch", "max_steps", "log_every", "keep_last",
                      "eval_samples"):
             _positive(name, getattr(self, name))
@@ -114,18 +115,14 @@ class TrainConfig:
                 _positive(name, getattr(self, name))
         for name in ("save_every", "eval_every"):
             if getattr(self, name) < 0:
-                raise UserError(f"--{_flag(name)} {getattr(self, name)}: must be 0 or more")
+                raise UserError(f"{flag(name)} {getattr(self, name)}: must be 0 or more")
         if self.num_workers is not None and self.num_workers < 0:
             raise UserError(f"--num-workers {self.num_workers}: must be 0 or more")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise UserError(f"--warmup-steps {self.warmup_steps}: must be 0 or more")
         if self.zero is not None and self.ds_config is not None:
             raise UserError("--zero and --ds-config are exclusive: --zero N means "
                             "ds_configs/zeroN.json")
         if self.zero is not None and not 0 <= self.zero <= 3:
             raise UserError(f"--zero {self.zero}: ZeRO stages are 0, 1, 2 and 3")
-        if self.objective not in (None, "mlm", "clm"):
-            raise UserError(f"--objective {self.objective!r}: expected mlm or clm")
         if self.lr <= 0:
             raise UserError(f"--lr {self.lr}: must be positive")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
@@ -157,29 +154,14 @@ class TrainConfig:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
 def _positive(name: str, value: int) -> None:
     if value < 1:
-        raise UserError(f"--{_flag(name)} {value}: must be at least 1")
+        raise UserError(f"{flag(name)} {value}: must be at least 1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `app train` flags; defaults and help come from TrainConfig."""
-    docs = _field_docs()
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
-
-    def add(name: str, **kw: Any) -> None:
-        default = defaults.get(name)
-        if default is not None and default is not MISSING and "default" not in kw:
-            kw["default"] = default
-        help_text = docs.get(name, "").replace("%", "%%")  # argparse formats help with %
-        if kw.get("default") not in (None, False) and "action" not in kw:
-            help_text += f" (default {kw['default']})"
-        parser.add_argument(f"--{_flag(name)}", dest=name, help=help_text, **kw)
-
+    add = config_flags(parser, TrainConfig)
     add("data", type=Path, required=True, metavar="DIR")
     add("out", type=Path, required=True, metavar="RUN_DIR")
     add("model", metavar="PRESET")
@@ -208,19 +190,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in
     # the environment says the same, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-
-
-def _field_docs() -> dict[str, str]:
-    """The docstring under each TrainConfig field, for --help (one source of truth)."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
-    body = tree.body[0].body
-    out = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            out[node.target.id] = nxt.value.value
-    return out

@@ -6,9 +6,11 @@ memory figures, CPU threads) is answered here, so no other module mentions "cpu"
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from data_tools.errors import UserError
@@ -16,8 +18,8 @@ from data_tools.errors import UserError
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 
-def _accelerator():
-    # Imported lazily: DeepSpeed's accelerator probe takes a moment and logs a line.
+def accelerator():
+    """DeepSpeed's accelerator object (imported lazily: its probe takes a moment and logs)."""
     from deepspeed.accelerator import get_accelerator
     return get_accelerator()
 
@@ -47,7 +49,7 @@ class Device:
 
 
 def detect() -> Device:
-    acc = _accelerator()
+    acc = accelerator()
     name = acc.device_name()
     return Device(name=name, backend=acc.communication_backend_name(), pin_memory=name != "cpu",
                   bf16_supported=bool(acc.is_bf16_supported()),
@@ -92,10 +94,39 @@ def set_cpu_threads(device: Device, env: Mapping[str, str] = os.environ) -> int 
     if not device.is_cpu or env.get("OMP_NUM_THREADS"):
         return None
     local = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // max(local, 1))
+    threads = max(1, usable_cores() // max(local, 1))
     torch.set_num_threads(threads)
     return threads
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a Slurm allocation)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
+def bind(device: Device, local_rank: int) -> None:
+    """Make this rank's accelerator the current one, before any collective: NCCL puts a
+    collective's tensors on the current device, which is otherwise device 0 on every rank."""
+    if not device.is_cpu:
+        accelerator().set_device(local_rank)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator this rank draws from (dropout, and anything seeded globally)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if accelerator().device_name() != "cpu":
+        state["accelerator"] = accelerator().get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "accelerator" in state:
+        accelerator().set_rng_state(state["accelerator"])
 
 
 def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -105,7 +136,7 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[s
 
 def memory_gb() -> tuple[float, float]:
     """(current, peak) memory of this rank in GiB: accelerator memory, or process RSS on CPU."""
-    acc = _accelerator()
+    acc = accelerator()
     if acc.device_name() == "cpu":
         try:
             import resource

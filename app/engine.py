@@ -1,7 +1,9 @@
 """The DeepSpeed engine: its JSON config, process group, `initialize`, and cross-rank reductions.
 
-One of the two modules that import DeepSpeed. The ds_config owns ZeRO stage, precision and
-clipping; the app fills the "auto" fields from its flags and reads batch sizes back from the engine.
+DeepSpeed is imported here, in app.checkpoint (its checkpoints) and in app.device (its accelerator
+probe, the one place that asks about the hardware); the rest of the app sees an `nn.Module`. The
+ds_config owns ZeRO stage, precision and clipping; the app fills the "auto" fields from its flags
+and reads batch sizes back from the engine.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from app.device import Device, resolve_precision
+from app.device import Device, bind, resolve_precision
 from data_tools.errors import UserError
 from data_tools.manifest import read_json
 
@@ -258,16 +260,11 @@ def init_distributed(device: Device) -> World:
     """Join the process group; a bare `python -m app train` becomes a world of one."""
     import deepspeed
 
-    adopt_launcher_env()
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
-    if not device.is_cpu:
-        # bind this rank to its accelerator before any collective: NCCL puts a collective's
-        # tensors on the current device, which is otherwise device 0 on every rank of a node
-        from deepspeed.accelerator import get_accelerator
-        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    bind(device, int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False)
     return world_from_env()
 

@@ -1,11 +1,10 @@
 """`python -m app export RUN_DIR --out DIR`: a run's weights, config and tokenizer in Hugging Face
 format (safetensors), loadable with `AutoModelForMaskedLM/CausalLM.from_pretrained(DIR)`.
 
-Weights come from the checkpoint as fp32: ZeRO 1-3 partitions are consolidated by DeepSpeed's own
-zero_to_fp32; ZeRO-0 checkpoints hold the whole module. The export is written to a temporary
-directory and renamed into place, so DIR is either complete or absent. When the run left its
-reference logits (RUN_DIR/reference.pt) for the same step, the exported model is checked against
-them.
+Weights come from the checkpoint as fp32 (app.checkpoint.consolidated_state_dict). The export is
+written to a temporary directory and renamed into place, so DIR is either complete or absent. When
+the run left its reference logits for the same step (app.reference), the exported model is
+checked against them before it is put in place.
 """
 from __future__ import annotations
 
@@ -16,13 +15,12 @@ from typing import Any
 
 import torch
 
-from app import checkpoint, rundir
+from app import checkpoint, reference, rundir
 from app.model import build_model, config_from_dict
 from data_tools import output
 from data_tools.errors import UserError
 
 KIND, COMMAND = "model export", "app export"
-LOGITS_TOLERANCE = 1e-4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,16 +43,17 @@ def run(args: argparse.Namespace) -> int:
     checkpoint.check_files(ckpt_dir / tag)
     model_cfg = rebuild_config(run_config, run_dir)
     model = build_model(model_cfg)
-    state_dict = consolidated_state_dict(ckpt_dir, tag, int(run_config["zero_stage"]))
+    state_dict = checkpoint.consolidated_state_dict(ckpt_dir, tag, int(run_config["zero_stage"]))
     load_weights(model, state_dict, where=ckpt_dir / tag)
     objective = run_config["model"]["objective"]
     with output.new_dir(out, KIND, COMMAND) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         save_tokenizer(run_dir, run_config, tmp)
-        diff = check_reference(run_dir, tmp, tag, objective)  # before the export is in place
+        # checked before the export is in place
+        diff = reference.max_difference(run_dir, tmp, checkpoint.step_of(tag), objective)
         if diff is not None:
             print(f"check: max |logits - training logits| = {diff:.2e}", file=sys.stderr)
-            if diff > LOGITS_TOLERANCE:
+            if diff > reference.LOGITS_TOLERANCE:
                 raise UserError(f"{run_dir}: the exported model's logits differ from the run's "
                                 f"by {diff:.2e}; nothing was written to {out}")
     print(f"exported {tag} of {run_dir} -> {out} ({run_config['model']['preset']}, "
@@ -71,21 +70,6 @@ def rebuild_config(run_config: dict[str, Any], run_dir: Path):
                         f"model config ({first.strip()})") from None
     model_cfg._attn_implementation = "sdpa"
     return model_cfg
-
-
-def consolidated_state_dict(ckpt_dir: Path, tag: str, stage: int) -> dict[str, torch.Tensor]:
-    """fp32 weights of the whole model from one checkpoint tag."""
-    tag_dir = ckpt_dir / tag
-    try:
-        if stage > 0:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-        files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-        module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"{tag_dir}: cannot read the checkpoint ({first[:200]})") from None
-    return {k: v.float() for k, v in module.items()}
 
 
 def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], where: Path) -> None:
@@ -111,23 +95,3 @@ def save_tokenizer(run_dir: Path, run_config: dict[str, Any], out: Path) -> None
             AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
             return
     raise UserError(f"{run_dir}: no tokenizer (looked in {', '.join(map(str, candidates))})")
-
-
-@torch.no_grad()
-def check_reference(run_dir: Path, out: Path, tag: str, objective: str) -> float | None:
-    """Max |logits difference| between the exported model and the run's final logits."""
-    path = run_dir / rundir.REFERENCE
-    if not path.is_file():
-        return None
-    try:
-        ref = torch.load(path, map_location="cpu")
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise UserError(f"{path}: corrupt or truncated ({e})") from None
-    if checkpoint.tag_for(int(ref["step"])) != tag:
-        return None
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
-
-    auto = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
-    model = auto.from_pretrained(out).eval()
-    logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits
-    return float((logits.float() - ref["logits"]).abs().max())

@@ -19,7 +19,7 @@ from typing import Iterable
 
 import numpy as np
 
-IGNORE_INDEX = -100      # label of positions without loss (PyTorch's cross-entropy default)
+IGNORE_INDEX = -100  # the label of positions without loss (PyTorch's and Hugging Face's)
 TRAIN_STREAM = 0         # separates the random streams of training and eval samples
 EVAL_STREAM = 1
 

@@ -1,7 +1,7 @@
 """Where metrics go: RUN_DIR/metrics.jsonl, the console, and a wandb run (rank 0 only).
 
-Loggers share a two-method interface (`log`, `close`); wandb is imported lazily on rank 0, so the
-other ranks and `--wandb disabled` never pay for it. Names follow DESIGN.md (`train/loss`, ...).
+wandb is imported lazily on rank 0, so the other ranks and `--wandb disabled` never pay for it.
+Metric names follow docs/design.md, "Metrics" (`train/loss`, `perf/tokens_per_sec`, ...).
 """
 from __future__ import annotations
 
@@ -54,13 +54,15 @@ def truncate_after(path: Path, step: int) -> None:
 
 
 class MetricsLogger:
-    """Writes every record to metrics.jsonl and wandb, and a short line to the console."""
+    """Writes every record to metrics.jsonl and wandb, and a short line to the console, under a
+    progress bar of the steps (main rank only; the others are silent)."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, wandb_mode: str, run_config: dict,
                  project: str, run_name: str, resumed_step: int | None = None):
         self.enabled = enabled
         self.wandb_run = None
         self._file = None
+        self._bar = None
         if not enabled:
             return
         path = run_dir / rundir.METRICS
@@ -84,13 +86,26 @@ class MetricsLogger:
             self.wandb_run.log({k: v for k, v in clean.items() if k != "step"},
                                step=int(clean["step"]))
 
-    def summary(self, values: dict[str, Any]) -> None:
-        if self.wandb_run is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)):
-                    self.wandb_run.summary[k] = v
+    def start_progress(self, *, total: int, done: int) -> None:
+        self._bar = tqdm(total=total, initial=done, desc="train", unit="step", file=sys.stderr,
+                         disable=not self.enabled, dynamic_ncols=True)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def end_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def note(self, text: str) -> None:
+        """A line on the console (between progress bar updates)."""
+        if self.enabled:
+            tqdm.write(text, file=sys.stderr)
 
     def close(self) -> None:
+        self.end_progress()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -15,6 +15,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
                           BertForMaskedLM, GPT2Config, LlamaConfig, PretrainedConfig)
 from transformers.modeling_outputs import MaskedLMOutput
 
+from app.masking import IGNORE_INDEX
 from data_tools.errors import UserError
 
 
@@ -57,8 +58,6 @@ _DROPOUT_FIELDS = {
     "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
     "llama": ("attention_dropout",),
 }
-_POSITION_FIELDS = ("max_position_embeddings", "n_positions")
-IGNORE_INDEX = -100  # labels the loss skips (Hugging Face's convention)
 
 
 def preset(name: str) -> Preset:
@@ -162,10 +161,8 @@ def config_from_dict(data: Mapping[str, Any]) -> PretrainedConfig:
 
 
 def max_positions(config: PretrainedConfig) -> int:
-    for key in _POSITION_FIELDS:
-        if hasattr(config, key):
-            return int(getattr(config, key))
-    raise ValueError(f"{config.model_type}: no position limit field")
+    """Longest sequence the model takes (GPT-2's n_positions through its attribute_map)."""
+    return int(config.max_position_embeddings)
 
 
 def objective_of(config: PretrainedConfig) -> str:

@@ -29,7 +29,6 @@ SUMMARY = "summary.json"
 REFERENCE = "reference.pt"
 CHECKPOINTS = "checkpoints"
 TOKENIZER_DIR = "tokenizer"
-WANDB_DIR = "wandb"
 WANDB_ID = "wandb/run_id"
 
 

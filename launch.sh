@@ -297,11 +297,12 @@ collect_forwarded_env() {
       lineno=$((lineno + 1))
       [[ "$line" =~ ^[[:space:]]*$ ]] && continue
       [[ "$line" =~ ^([A-Za-z_][A-Za-z0-9_]*)=(.*)$ ]] || die "$file:$lineno: expected NAME=VALUE"
-      [[ ! "${BASH_REMATCH[2]}" =~ [\"\$\`\\%] ]] ||
-        die "$file:$lineno: ${BASH_REMATCH[1]}'s value holds a character the remote shell would expand (\" \$ \` \\ %)"
+      name="${BASH_REMATCH[1]}" value="${BASH_REMATCH[2]}"
+      [[ ! "$value" =~ [\"\$\`\\%] ]] ||
+        die "$file:$lineno: $name's value holds a character the remote shell would expand (\" \$ \` \\ %)"
       env_file_lines+=("$line")
-      case "${BASH_REMATCH[1]}" in
-        *KEY*|*TOKEN*|*SECRET*|*PASSWORD*) [ "${#BASH_REMATCH[2]}" -lt 6 ] || secrets+=("${BASH_REMATCH[2]}") ;;
+      case "$name" in
+        *KEY*|*TOKEN*|*SECRET*|*PASSWORD*) [ "${#value}" -lt 6 ] || secrets+=("$value") ;;
       esac
     done < "$file"
   done
@@ -362,7 +363,7 @@ check_hosts() {
     host="${active[$i]}"
     rc="$(cat "$jobdir/check.$i.rc")"
     out="$(tail -n 1 "$jobdir/check.$i.out")"
-    err="$(grep -v '^Warning: Permanently added' "$jobdir/check.$i.err" | tail -n 1 || true)"
+    err="$(tr -d '\r' < "$jobdir/check.$i.err" | grep -v '^Warning: Permanently added' | tail -n 1 || true)"
     case "$rc" in
       0) [ "$out" = "$local_versions" ] ||
            die "$host runs $out, but this host runs $local_versions: install the same environment (and checkout) on every node" ;;

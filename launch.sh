@@ -447,8 +447,9 @@ watch_stderr() {  # pdsh says at once when a host's launcher fails: that stops t
   local line
   while IFS= read -r line || [ -n "$line" ]; do
     redact "$line" >&2
+    # (once the job is being stopped, the hosts' failures are the stop's doing)
     if [[ "$line" =~ ^pdsh@[^:]*:\ ([^:]+):\ ssh\ exited\ with\ exit\ code\ ([0-9]+)$ ]] &&
-       [ ! -e "$jobdir/failed" ]; then
+       [ ! -e "$jobdir/failed" ] && [ ! -e "$jobdir/stopping" ]; then
       echo "${BASH_REMATCH[2]} ${BASH_REMATCH[1]}" > "$jobdir/failed"
       kill -USR1 "$$" 2>/dev/null || true
     fi
@@ -477,26 +478,33 @@ stop_here() {
 }
 runner_pid="" stopping=0 stop_status="" woke=0 deadline=0
 # shellcheck disable=SC2317
-stop_job() {  # $1: why, $2: exit status when the job did not fail by itself
-  woke=1
-  [ -n "$runner_pid" ] || exit "$2"
-  if [ "$stopping" = 1 ]; then  # asked twice: end it here and now
-    kill -KILL -- "-$runner_pid" 2>/dev/null || true
-    return
-  fi
+stop_job() {  # $1: why, $2: the exit status unless a rank failed first
   stopping=1 stop_status="$2" deadline=$((SECONDS + 90))
+  [ -z "$jobdir" ] || : > "$jobdir/stopping"
   echo "launch.sh: stopping the job ($1)" >&2
   if [ "$multi" = 1 ] && [ "$launcher" = pdsh ]; then stop_hosts; else stop_here; fi
 }
 # shellcheck disable=SC2317
+on_signal() {  # $1: which, $2: exit status
+  woke=1
+  [ -n "$runner_pid" ] || exit "$2"
+  if [ "$stopping" = 1 ]; then  # asked twice: end it here and now
+    kill -KILL -- "-$runner_pid" 2>/dev/null || true
+  else
+    stop_job "$1" "$2"
+  fi
+}
+# shellcheck disable=SC2317
 on_failure() {
+  woke=1
+  [ "$stopping" = 0 ] || return 0
   local code host
   read -r code host < "$jobdir/failed"
   stop_job "the launcher on $host exited with status $code" "$code"
 }
-trap 'stop_job interrupted 130' INT
-trap 'stop_job terminated 143' TERM
-trap 'stop_job "hang-up" 129' HUP
+trap 'on_signal interrupted 130' INT
+trap 'on_signal terminated 143' TERM
+trap 'on_signal hang-up 129' HUP
 trap on_failure USR1
 
 set -m

@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -371,3 +372,34 @@ def test_an_unreachable_host_is_refused_before_start(sshd, mlm_dataset, tmp_path
     assert line.startswith("launch.sh: error: 127.0.0.9: not reachable by passwordless ssh")
     assert "ssh-copy-id 127.0.0.9" in line and "--no-ssh" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_term_to_launch_sh_stops_every_host_and_only_this_job(sshd, mlm_dataset, tmp_path):
+    hook = hook_dir(tmp_path)
+    env = launch_env(hook, **sshd.env)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{h} slots=1\n" for h in NODES))
+    args = ["--hostfile", hosts, "--master-port", free_port(), "--env", "HOOK_DIR", "--env", MARK,
+            "--", "--data", mlm_dataset, "--out", tmp_path / "run", *TINY, "--max-steps", "100000"]
+    # another job's process on the same host, started the way pdsh starts ours
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                             env={**env, "DSPRETRAIN_LAUNCH_ID": "another-job"})
+    proc = subprocess.Popen(["bash", LAUNCH, *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while len(rank_envs(hook)) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)  # both ranks started, one over ssh on each host
+        assert proc.poll() is None and len(rank_envs(hook)) == 2
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert other.poll() is None  # still running
+    finally:
+        for p in (proc, other):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert_no_strays(env[MARK])
+    assert proc.returncode == 143, err[-3000:]
+    assert "launch.sh: stopping the job (terminated)" in err
+    assert "the job failed" not in err  # the hosts' exits were the stop's doing

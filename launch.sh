@@ -56,7 +56,7 @@ as_rank() {
       *) die "--as-rank: unexpected argument '$1'" ;;
     esac
   done
-  # torch's launchers set RANK and CROSS_RANK; MPI and Slurm their own names
+  # DeepSpeed's launch.py sets RANK and CROSS_RANK; MPI and Slurm launchers their own names
   local node="${CROSS_RANK:-${SLURM_NODEID:-}}"
   local rank="${RANK:-${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${SLURM_PROCID:-}}}}"
   [[ "$node" =~ ^[0-9]+$ ]] || node="?"

@@ -207,6 +207,9 @@ fi
 # DeepSpeed's rule: more than one host and ssh allowed = a multi-node launch from here
 multi=0
 [ "$no_ssh" = 1 ] || [ "${#active[@]}" -le 1 ] || multi=1
+if [ "$multi" = 1 ]; then
+  master_addr="${master_addr:-${active[0]#*@}}"  # a name every node resolves: it is in the hostfile
+fi
 if [ -n "$log_dir" ] && [ "$multi" = 1 ] && [ "$launcher" != pdsh ]; then
   die "--log-dir works with the pdsh launcher or --no-ssh (DeepSpeed's launch.py writes the files)"
 fi
@@ -309,6 +312,9 @@ collect_forwarded_env() {
 }
 if [ "$multi" = 1 ]; then
   collect_forwarded_env
+  if [ "$launcher" != pdsh ]; then  # DeepSpeed's MPI and Slurm backends may not set these
+    env_file_lines+=("MASTER_ADDR=$master_addr" "MASTER_PORT=${master_port:-29500}")
+  fi
   if [ "$launcher" = pdsh ]; then
     # DeepSpeed puts these two into pdsh's command unquoted
     for arg in "$PWD" "$py_exe"; do
@@ -378,7 +384,6 @@ check_hosts() {
 }
 
 if [ "$multi" = 1 ]; then
-  master_addr="${master_addr:-${active[0]#*@}}"  # a name every node resolved to reach it
   backend_ok >/dev/null || case "$launcher" in
     pdsh) die "the pdsh launcher needs pdsh on this host (apt-get install pdsh / dnf install pdsh), or start every node yourself with --no-ssh" ;;
     *) die "--launcher $launcher: its tools are not installed on this host" ;;
@@ -404,10 +409,19 @@ cmd=("$py_exe" -m deepspeed.launcher.runner)
 [ "$no_ssh" = 0 ] || cmd+=(--no_ssh --node_rank "$node_rank")
 [ "$multi" = 0 ] || cmd+=(--no_ssh_check)  # ours above also honours PDSH_SSH_ARGS_APPEND
 [ -z "$log_dir" ] || cmd+=(--enable_each_rank_log "$log_dir")
-rank_cmd=(bash "$self" --as-rank)
-[ -z "$log_dir" ] || rank_cmd+=(--no-prefix)
-[ -z "$stage_to" ] || rank_cmd+=(--stage-to "$stage_to")
-cmd+=(--no_python --no_local_rank "${rank_cmd[@]}" -- "$py_exe" -u -m app train "${app_args[@]}")
+if [ "$multi" = 1 ] && [ "$launcher" != pdsh ]; then
+  # DeepSpeed's MPI and Slurm backends start python themselves (slurm's ignores --no_python):
+  # ranks run as before, untagged, stopped and labelled by mpirun or srun
+  [[ "$stage_to" != *"{node_rank}"* ]] ||
+    die "--stage-to $stage_to: {node_rank} works with the pdsh launcher or --no-ssh"
+  cmd+=(--no_local_rank --module app train "${app_args[@]}")
+  [ -z "$stage_to" ] || cmd+=(--stage-to "$stage_to")
+else
+  rank_cmd=(bash "$self" --as-rank)
+  [ -z "$log_dir" ] || rank_cmd+=(--no-prefix)
+  [ -z "$stage_to" ] || rank_cmd+=(--stage-to "$stage_to")
+  cmd+=(--no_python --no_local_rank "${rank_cmd[@]}" -- "$py_exe" -u -m app train "${app_args[@]}")
+fi
 
 if [ "$multi" = 1 ]; then
   shown=("${active[@]:0:4}")

@@ -200,3 +200,23 @@ def test_a_rank_tags_its_lines_and_gets_its_node_rank_in_stage_to():
     env.pop("CROSS_RANK")
     one_error_line(launch("--as-rank", "--stage-to", "/nvme/{node_rank}", "--", "true", env=env),
                    "no node rank")
+
+
+def test_mpi_and_slurm_backends_start_python_themselves(tmp_path):
+    # DeepSpeed's slurm backend always runs `python -u SCRIPT`: no per-rank wrapper there
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "srun").chmod(0o755)
+    hosts = hostfile(tmp_path, "a slots=1\nb slots=1\n")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    r = launch("--dry-run", "--hostfile", str(hosts), "--launcher", "slurm", "--stage-to",
+               "/nvme/ds", "--", "--data", "d", env=env)
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout)
+    assert cmd[cmd.index("--launcher") + 1] == "slurm" and "--no_python" not in cmd
+    assert cmd[cmd.index("--module"):] == ["--module", "app", "train", "--data", "d",
+                                          "--stage-to", "/nvme/ds"]
+    one_error_line(launch("--dry-run", "--hostfile", str(hosts), "--launcher", "slurm",
+                          "--stage-to", "/nvme/{node_rank}", "--", "x", env=env),
+                   "works with the pdsh launcher or --no-ssh")

@@ -246,10 +246,13 @@ local_versions="$(tail -n 1 <<< "$local_info")"
 self="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 
 # Environment every rank inherits. Threads per rank: the node's cores shared by its ranks, unless
-# the user set it (torch otherwise starts one thread per core in every rank and they fight).
+# the user set it (torch otherwise starts one thread per core in every rank and they fight). When
+# the ranks per node are not known here (one per accelerator, counted by DeepSpeed), each rank
+# divides its cores by LOCAL_WORLD_SIZE itself (app/device.py, set_cpu_threads).
 cores=$(nproc 2>/dev/null || echo 1)
-if [ -z "${OMP_NUM_THREADS:-}" ]; then
-  per_rank=$(( cores / ${ppn:-${slots[0]:-1}} ))
+ranks_here=${ppn:-${slots[0]:-}}
+if [ -z "${OMP_NUM_THREADS:-}" ] && [ -n "$ranks_here" ]; then
+  per_rank=$(( cores / ranks_here ))
   export OMP_NUM_THREADS=$(( per_rank > 0 ? per_rank : 1 ))
 fi
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"

@@ -254,17 +254,64 @@ def restore_rng(ckpt_dir: Path, tag: str, *, rank: int) -> bool:
     return True
 
 
+def flat_master_groups(engine) -> list[list[str]] | None:
+    """Names of the parameters in each flat fp32 master group, in order, where DeepSpeed keeps
+    the masters flattened in its optimizer state (ZeRO-0 in bf16/fp16; ZeRO 1-3 checkpoints
+    carry their own layout). Saved in the train state so an export can take the masters."""
+    groups = getattr(engine.optimizer, "fp16_groups", None)
+    if engine.zero_optimization() or not groups:
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return [[names[id(p)] for p in group] for group in groups]
+
+
 def consolidated_state_dict(ckpt_dir: Path, tag: str, stage: int) -> dict[str, torch.Tensor]:
     """fp32 weights of the whole model from one checkpoint tag: ZeRO 1-3 partitions consolidated
-    by DeepSpeed's own zero_to_fp32; a ZeRO-0 checkpoint holds the whole module."""
+    by DeepSpeed's own zero_to_fp32; ZeRO-0 holds the whole module, in bf16/fp16 runs with the
+    fp32 masters beside it in the optimizer state (those are the weights, not their rounding)."""
     tag_dir = ckpt_dir / tag
     try:
+        bf16_partitions = sorted(tag_dir.glob("bf16_zero_pp_rank_*_optim_states.pt"),
+                                 key=lambda f: int(f.name.split("_")[4]))
+        if bf16_partitions:
+            return _bf16_optimizer_masters(tag_dir, bf16_partitions)
         if stage > 0:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
             return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-        files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-        module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        saved = _load(sorted(tag_dir.glob("mp_rank_*_model_states.pt"))[0])
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{tag_dir}: cannot read the checkpoint ({first[:200]})") from None
-    return {k: v.float() for k, v in module.items()}
+    weights = {k: v.float() for k, v in saved["module"].items()}
+    masters = (saved.get("optimizer") or {}).get("fp32_groups_flat")
+    groups = read_state(ckpt_dir, tag).get("flat_master_groups")
+    if masters and groups:
+        for flat, names in zip(masters, groups):
+            offset = 0
+            for name in names:
+                n = weights[name].numel()
+                weights[name] = flat[offset:offset + n].view_as(weights[name]).clone()
+                offset += n
+    return weights
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _bf16_optimizer_masters(tag_dir: Path, partitions: list[Path]) -> dict[str, torch.Tensor]:
+    """fp32 weights from DeepSpeed's BF16_Optimizer checkpoint (bf16 at ZeRO-1 with fp32
+    gradient accumulation), which zero_to_fp32 does not read (no `zero_stage` key in it): each
+    rank holds a slice of every flat fp32 group; the slices in rank order are the group, its
+    parameters back to back in `param_shapes` order, then alignment padding."""
+    model = _load(sorted(tag_dir.glob("mp_rank_*_model_states.pt"))[0])
+    states = [_load(f)["optimizer_state_dict"] for f in partitions]
+    weights = {k: v.float() for k, v in model["module"].items() if k in model["buffer_names"]}
+    for g, shapes in enumerate(model["param_shapes"]):
+        flat = torch.cat([s["single_partition_of_fp32_groups"][g] for s in states])
+        offset = 0
+        for name, shape in shapes.items():
+            n = shape.numel()
+            weights[name] = flat[offset:offset + n].view(shape).clone()
+            offset += n
+    return weights

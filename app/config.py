@@ -37,7 +37,8 @@ class TrainConfig:
     ds_config: Path | None = None
     """DeepSpeed JSON; its "auto" fields are filled from these flags."""
     zero: int | None = None
-    """Shorthand for ds_configs/zero{N}.json (default 0)."""
+    """Shorthand for ds_configs/zero{N}.json (default 0; 1 for bf16: DeepSpeed accumulates bf16
+    gradients in fp32 only from ZeRO-1 on)."""
     precision: str = "auto"
     """auto|bf16|fp16|fp32: auto = bf16 on accelerators that have it, fp32 on CPU."""
     seq_len: int = 128
@@ -68,12 +69,18 @@ class TrainConfig:
     eps: float = 1e-8
     seed: int = 0
     """Seeds the weights, the sample order, the masks and dropout."""
+    pad_vocab_to: int = 128
+    """Round the model's vocabulary up to a multiple of N (tensor-core tiles; 1: no padding)."""
     dropout: float | None = None
     """Overrides the preset's dropout (0 makes runs comparable across world sizes)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, ~30% more compute."""
     attn: str = "auto"
     """Attention kernel: auto (flash_attention_2 if installed on GPU, else sdpa), sdpa, eager."""
+    compile: bool = False
+    """torch.compile the model (through DeepSpeed's engine.compile)."""
+    tf32: bool = False
+    """Let fp32 matrix products use TF32 tensor cores (NVIDIA GPUs; ~8x faster, 10-bit mantissa)."""
     packing: str = "concat"
     """concat (windows across documents) or doc (one document per sample)."""
     mask_prob: float = 0.15
@@ -96,7 +103,9 @@ class TrainConfig:
     num_workers: int | None = None
     """Data-loader workers per rank (default: from the cores per rank)."""
     stage_to: Path | None = None
-    """Node-local directory to copy the dataset to before training (first local rank copies)."""
+    """Node-local directory to copy the dataset to before training (one rank a node copies)."""
+    dist_timeout: float = 30.0
+    """Minutes a collective may wait for the slowest rank before the job fails."""
     wandb: str | None = None
     """online|offline|disabled (default: online with WANDB_API_KEY, else offline)."""
     wandb_project: str = "dspretrain"
@@ -108,11 +117,13 @@ class TrainConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise UserError(f"{flag(f.name)} {value}: must be a finite number")
         for name in ("seq_len", "micro_batch", "max_steps", "log_every", "keep_last",
-                     "eval_samples"):
+                     "eval_samples", "pad_vocab_to"):
             _positive(name, getattr(self, name))
         for name in ("grad_accum", "global_batch", "max_tokens", "stop_at_step"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.dist_timeout <= 0:
+            raise UserError(f"--dist-timeout {self.dist_timeout}: must be positive (minutes)")
         for name in ("save_every", "eval_every"):
             if getattr(self, name) < 0:
                 raise UserError(f"{flag(name)} {getattr(self, name)}: must be 0 or more")
@@ -172,19 +183,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("precision", choices=("auto", "bf16", "fp16", "fp32"))
     for name in ("seq_len", "micro_batch", "grad_accum", "global_batch", "max_steps",
                  "max_tokens", "stop_at_step", "warmup_steps", "seed", "save_every", "keep_last",
-                 "eval_every", "eval_samples", "log_every", "num_workers"):
+                 "eval_every", "eval_samples", "log_every", "num_workers", "pad_vocab_to"):
         add(name, type=int, metavar="N")
     for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "dropout",
                  "mask_prob"):
         add(name, type=finite_float, metavar="F")
     add("lr_decay", choices=("cosine", "linear", "constant"))
     add("gradient_checkpointing", action="store_true")
+    add("compile", action="store_true")
+    add("tf32", action="store_true")
     add("attn", choices=ATTENTION)
     add("packing", choices=("concat", "doc"))
     add("resume", metavar="auto|never|PATH")
     add("overwrite", action="store_true")
     add("save_errors", choices=("stop", "skip"))
     add("stage_to", type=Path, metavar="DIR")
+    add("dist_timeout", type=finite_float, metavar="MINUTES")
     add("wandb", choices=WANDB_MODES)
     add("wandb_project", metavar="NAME")
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from app import packing
 from app.device import usable_cores
-from app.masking import EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, sample_rng
+from app.masking import (EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots,
+                         sample_rng)
 from app.order import Permutation, check_batch_geometry, check_rank, eval_positions, \
     rank_positions
 from app.stream import TokenStream
@@ -184,45 +185,82 @@ def default_num_workers(local_world_size: int = 1) -> int:
     return max(0, min(2, usable_cores() // max(1, local_world_size) - 1))
 
 
-SAMPLE_KEYS = ("input_ids", "attention_mask", "labels")
+@dataclass(frozen=True)
+class BatchLayout:
+    """What a micro batch hands to the model: arrays of a fixed width per sample.
 
-
-def _pack(samples: list[dict[str, torch.Tensor]]) -> np.ndarray:
-    """Collate a micro batch into one int32 [3, batch, seq_len] array.
-
-    A worker hands over one small numpy array, pickled through the worker's pipe: ~1 ms on CPU,
-    where a tensor (a shared-memory file and a passed descriptor per storage) took ~2-3 ms
-    (docs/benchmarks.md, "loader"). Ids and labels (-100) fit in int32.
+    MLM: `input_ids`, `mlm_positions` and `mlm_labels` (the masked positions and their original
+    tokens, padded to a fixed count with position 0 and IGNORE_INDEX): the model gathers those
+    positions with static shapes, where indexing by a boolean mask would sync the host every
+    step. CLM: `input_ids` and `labels`. `attention_mask` only with "doc" packing: in "concat"
+    every token is attended to, and an all-ones mask costs the model a host sync to find out.
     """
-    return np.stack([np.stack([s[k].numpy() for s in samples]) for k in SAMPLE_KEYS]
-                    ).astype(np.int32, copy=False)
 
+    keys: tuple[str, ...]
+    widths: tuple[int, ...]
 
-def _pack_pinned(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """As `_pack`, as an int64 tensor: DataLoader's pinning thread pins it off the training
-    thread, and nothing converts it afterwards (a conversion would lose the pinning)."""
-    return torch.stack([torch.stack([s[k] for s in samples]) for k in SAMPLE_KEYS])
+    @classmethod
+    def of(cls, spec: DataSpec) -> "BatchLayout":
+        seq, slots = spec.seq_len, mlm_slots(spec.seq_len, spec.mask_prob)
+        keys, widths = ((("input_ids", "mlm_positions", "mlm_labels"), (seq, slots, slots))
+                        if spec.objective == "mlm" else (("input_ids", "labels"), (seq, seq)))
+        if spec.packing == "doc":
+            keys, widths = keys + ("attention_mask",), widths + (seq,)
+        return cls(keys, widths)
+
+    def arrays(self, sample: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """One sample (TokenWindows' full-length dict) in this layout."""
+        out = {k: sample[k].numpy() for k in ("input_ids", "labels", "attention_mask")}
+        if "mlm_positions" in self.keys:
+            labels = out.pop("labels")
+            chosen = np.flatnonzero(labels != IGNORE_INDEX)
+            slots = self.widths[self.keys.index("mlm_positions")]
+            out["mlm_positions"] = np.zeros(slots, dtype=np.int64)
+            out["mlm_positions"][:chosen.size] = chosen
+            out["mlm_labels"] = np.full(slots, IGNORE_INDEX, dtype=np.int64)
+            out["mlm_labels"][:chosen.size] = labels[chosen]
+        return out
+
+    def pack(self, samples: list[dict[str, torch.Tensor]]) -> np.ndarray:
+        """Collate a micro batch into one flat int32 array: each key's [batch, width] block in
+        turn. A worker hands over one small numpy array, pickled through its pipe: ~1 ms on CPU,
+        where a tensor (a shared-memory file and a descriptor per storage) took ~2-3 ms
+        (docs/benchmarks.md, "loader"). Ids, positions and labels (-100) fit in int32."""
+        rows = [self.arrays(s) for s in samples]
+        return np.concatenate([np.stack([r[k] for r in rows]).ravel() for k in self.keys]
+                              ).astype(np.int32, copy=False)
+
+    def pack_pinned(self, samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """As `pack`, as an int64 tensor: DataLoader's pinning thread pins it off the training
+        thread, and nothing converts it afterwards (a conversion would lose the pinning)."""
+        return torch.from_numpy(self.pack(samples).astype(np.int64))
+
+    def unpack(self, packed: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
+        """The micro batch as int64 tensors: contiguous views of the packed one (pinning kept)."""
+        if isinstance(packed, np.ndarray):
+            packed = torch.from_numpy(packed).to(torch.int64)  # as embeddings and losses expect
+        batch = packed.numel() // sum(self.widths)
+        out, offset = {}, 0
+        for key, width in zip(self.keys, self.widths):
+            out[key] = packed[offset:offset + batch * width].view(batch, width)
+            offset += batch * width
+        return out
 
 
 class MicroBatches:
     """Iterable of micro-batch dicts (int64 tensors) over a DataLoader of packed batches."""
 
-    def __init__(self, loader: DataLoader):
-        self.loader = loader
+    def __init__(self, loader: DataLoader, layout: BatchLayout):
+        self.loader, self.layout = loader, layout
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         packed = iter(self.loader)  # now, not at the first next(): workers start here
-        return (_unpack(p) for p in packed)
+        return (self.layout.unpack(p) for p in packed)
 
 
-def _unpack(packed: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
-    if isinstance(packed, np.ndarray):
-        packed = torch.from_numpy(packed).to(torch.int64)  # as embeddings and losses expect
-    return dict(zip(SAMPLE_KEYS, packed.unbind(0)))  # views: pinning kept
-
-
-def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_workers: int,
+def _loader(dataset: TokenWindows, sampler: Iterable[int], micro_batch: int, num_workers: int,
             pin_memory: bool, prefetch_factor: int) -> MicroBatches:
+    layout = BatchLayout.of(dataset.spec)
     extra = {}
     if num_workers > 0:
         extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor}
@@ -231,9 +269,9 @@ def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_work
     generator = torch.Generator().manual_seed(0)
     return MicroBatches(DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
                                    num_workers=num_workers,
-                                   collate_fn=_pack_pinned if pin_memory else _pack,
+                                   collate_fn=layout.pack_pinned if pin_memory else layout.pack,
                                    pin_memory=pin_memory, drop_last=False, generator=generator,
-                                   **extra))
+                                   **extra), layout)
 
 
 def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, dp_rank: int,

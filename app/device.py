@@ -72,26 +72,27 @@ def resolve_precision(requested: str, device: Device) -> str:
     return requested
 
 
-def attention_implementation(requested: str, device: Device, precision: str = "bf16") -> str:
-    """"auto" = flash_attention_2 when its package is installed on a GPU and the run is in
-    bf16/fp16 (its kernels take nothing else), else PyTorch SDPA."""
+def attention_implementation(requested: str, device: Device, precision: str = "bf16",
+                             packing: str = "concat") -> str:
+    """"auto" = flash_attention_2 when transformers finds a version of it it supports, on a GPU,
+    in bf16/fp16 (its kernels take nothing else), with "concat" packing (padded batches make
+    transformers unpad them with a host sync per layer); else PyTorch SDPA."""
     if requested != "auto":
         return requested
-    if not device.is_cpu and precision in ("bf16", "fp16"):
-        try:
-            import flash_attn  # noqa: F401
+    if not device.is_cpu and precision in ("bf16", "fp16") and packing == "concat":
+        from transformers.utils import is_flash_attn_2_available
+        if is_flash_attn_2_available():
             return "flash_attention_2"
-        except ImportError:
-            pass
     return "sdpa"
 
 
 def set_cpu_threads(device: Device, env: Mapping[str, str] = os.environ) -> int | None:
-    """Share the cores among the ranks of a CPU node (torch takes them all per process otherwise).
+    """Share the node's cores among its ranks, on every kind of device: torch takes them all per
+    process otherwise (8 ranks x all cores under CPU-offloaded Adam or the loader's numpy).
 
     Respects OMP_NUM_THREADS when the user or launcher set it; returns the thread count chosen.
     """
-    if not device.is_cpu or env.get("OMP_NUM_THREADS"):
+    if env.get("OMP_NUM_THREADS"):
         return None
     local = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1)
     threads = max(1, usable_cores() // max(local, 1))
@@ -99,10 +100,23 @@ def set_cpu_threads(device: Device, env: Mapping[str, str] = os.environ) -> int 
     return threads
 
 
+def enable_tf32(device: Device, precision: str, requested: bool) -> None:
+    """--tf32: fp32 matrix products and convolutions on TF32 tensor cores (CUDA only)."""
+    if requested and precision == "fp32" and device.name == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask, e.g. a Slurm allocation)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return cores or 1
+
+
+def synchronize() -> None:
+    """Wait for the accelerator's queued work (a no-op on CPU): before reading a clock that is to
+    time it. A host sync: call it at log, eval and save boundaries only."""
+    accelerator().synchronize()
 
 
 def bind(device: Device, local_rank: int) -> None:

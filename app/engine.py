@@ -114,10 +114,18 @@ def settle_precision(ds: dict[str, Any], requested: str, device: Device, where: 
     return resolved
 
 
+# DeepSpeed-scale sizes for the "auto" ZeRO knobs (elements), not Hugging Face's hidden^2 (1.2 M
+# at width 768: hundreds of latency-bound collectives a step on 128 GPUs). 5e7 is DeepSpeed's own
+# stage-3 prefetch default and a tenth of its reduce-bucket default: few collectives, each large
+# enough to run at full bandwidth, with a bucket of 200 MB in fp32.
+ZERO_SIZES = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
+              "stage3_prefetch_bucket_size": 50_000_000,
+              "stage3_param_persistence_threshold": 100_000}
+
+
 def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_size: int,
               precision: str, lr: float, betas: tuple[float, float], eps: float,
-              weight_decay: float, hidden_size: int, pin_memory: bool,
-              where: Path) -> dict[str, Any]:
+              weight_decay: float, pin_memory: bool, where: Path) -> dict[str, Any]:
     """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill."""
     ds = copy.deepcopy(ds)
     batch = {"train_micro_batch_size_per_gpu": micro_batch,
@@ -131,29 +139,11 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
                             f"(set it to \"auto\" or drop the flag)")
     if ds.get("gradient_clipping") == "auto":
         ds["gradient_clipping"] = 1.0
-    opt = ds.get("optimizer")
-    if isinstance(opt, dict):
-        params = opt.setdefault("params", {})
-        for key, value in (("lr", lr), ("betas", list(betas)), ("eps", eps),
-                           ("weight_decay", weight_decay)):
-            if params.get(key, "auto") == "auto":
-                params[key] = value
-    if opt is None:
-        # no optimizer block (common in HF-style configs): DeepSpeed would build none
-        ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(betas),
-                                                       "eps": eps, "weight_decay": weight_decay}}
-    for name in ("bf16", "fp16"):
-        section = ds.get(name)
-        if isinstance(section, dict) and section.get("enabled") == "auto":
-            section["enabled"] = precision == name
-    if precision in ("bf16", "fp16") and not isinstance(ds.get(precision), dict):
-        ds[precision] = {"enabled": True}  # a file without the section runs what we report
+    _fill_optimizer(ds, {"lr": lr, "betas": list(betas), "eps": eps,
+                         "weight_decay": weight_decay})
+    _fill_precision(ds, precision)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
-    # HF's choices for the size-dependent ZeRO-3 knobs: a few layers' worth of elements.
-    sized = {"reduce_bucket_size": hidden_size * hidden_size,
-             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-             "stage3_param_persistence_threshold": 10 * hidden_size}
-    for key, value in sized.items():
+    for key, value in ZERO_SIZES.items():
         if zero.get(key) == "auto":
             zero[key] = value
     for key in ("offload_optimizer", "offload_param"):
@@ -163,6 +153,30 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     if left:
         raise UserError(f"{where}: key '{left[0]}' is \"auto\" and the app does not fill it")
     return ds
+
+
+def _fill_optimizer(ds: dict[str, Any], settings: dict[str, Any]) -> None:
+    opt = ds.get("optimizer")
+    if opt is None:  # no optimizer block (common in HF-style configs): DeepSpeed would build none
+        ds["optimizer"] = {"type": "AdamW", "params": dict(settings)}
+    elif isinstance(opt, dict):
+        params = opt.setdefault("params", {})
+        for key, value in settings.items():
+            if params.get(key, "auto") == "auto":
+                params[key] = value
+
+
+def _fill_precision(ds: dict[str, Any], precision: str) -> None:
+    """Enable the run's precision; bf16 accumulates gradients in fp32 where DeepSpeed allows it
+    (ZeRO 1-3; at ZeRO-0 it refuses the mix and accumulates and all-reduces them in bf16)."""
+    for name in ("bf16", "fp16"):
+        section = ds.get(name)
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            section["enabled"] = precision == name
+    if precision in ("bf16", "fp16") and not isinstance(ds.get(precision), dict):
+        ds[precision] = {"enabled": True}  # a file without the section runs what we report
+    if precision == "bf16" and zero_stage(ds) >= 1 and "data_types" not in ds:
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
 
 
 class _ReadKeys(dict):
@@ -256,8 +270,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: Device) -> World:
-    """Join the process group; a bare `python -m app train` becomes a world of one."""
+def init_distributed(device: Device, timeout_minutes: float = 30.0) -> World:
+    """Join the process group; a bare `python -m app train` becomes a world of one. A collective
+    that waits longer than `timeout_minutes` for a rank fails the job (DeepSpeed's default: 10)."""
+    from datetime import timedelta
+
     import deepspeed
 
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
@@ -265,21 +282,37 @@ def init_distributed(device: Device) -> World:
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
     bind(device, int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False)
+    deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False,
+                               timeout=timedelta(minutes=timeout_minutes))
     return world_from_env()
 
 
+def shutdown() -> None:
+    """Leave the process group (NCCL warns about, and may hang on, groups never destroyed)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
-               lr_lambda: Callable[[int], float]):
-    """`deepspeed.initialize` with the optimizer from the config and our LR schedule on it."""
+               lr_lambda: Callable[[int], float], param_groups: list[dict[str, Any]]):
+    """`deepspeed.initialize` with the optimizer from the config (over `param_groups`) and our
+    LR schedule on it."""
     import deepspeed
 
     def scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                            config=ds_config, lr_scheduler=scheduler)
     return engine
+
+
+def engine_facts(engine) -> dict[str, Any]:
+    """What DeepSpeed built from the config (recorded in config.json): the optimizer wrapper and
+    the dtypes of the weights and of gradient accumulation."""
+    model_dtype, grad_dtype = engine.get_data_types()
+    return {"optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
+            "grad_accum_dtype": str(grad_dtype), "zero_stage": engine.zero_optimization_stage()}
 
 
 def grad_norm_before_step(engine) -> torch.Tensor | None:

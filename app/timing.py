@@ -2,20 +2,22 @@
 throughput figures made from it (docs/design.md, "Metrics").
 
 The window pauses while the run evaluates or saves (that time is not training time) and counts
-how long the loop waited for the next batch. Nothing here syncs the device: the figures are read
-at log intervals only, after the cross-rank reduction the trainer does anyway.
+how long the loop waited for the next batch. An accelerator runs ahead of the host, so the clock
+is read after `sync` (the device's synchronize): when a window ends and where a pause starts and
+ends, once per log interval, eval and save; never per step.
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 class Window:
     """Wall time and data wait since the window was (re)started, excluding paused spans."""
 
-    def __init__(self, step: int = 0):
+    def __init__(self, step: int = 0, sync: Callable[[], None] = lambda: None):
+        self.sync = sync
         self.restart(step)
 
     def restart(self, step: int) -> None:
@@ -27,9 +29,13 @@ class Window:
     def waiting_for_data(self):
         return self._timing("data_wait")
 
-    def paused(self):
+    @contextmanager
+    def paused(self) -> Iterator[None]:
         """Eval and save inside this block do not count as training time."""
-        return self._timing("_paused")
+        self.sync()  # the training work queued so far belongs to the window
+        with self._timing("_paused"):
+            yield
+            self.sync()
 
     @contextmanager
     def _timing(self, total: str) -> Iterator[None]:
@@ -41,6 +47,7 @@ class Window:
             setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
 
     def elapsed(self) -> float:
+        self.sync()
         return time.perf_counter() - self._start - self._paused
 
 

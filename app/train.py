@@ -22,14 +22,15 @@ import torch
 from app import checkpoint, reference, rundir
 from app import config as config_mod
 from app.config import TrainConfig
-from app.device import Device, attention_implementation, detect, set_cpu_threads
-from app.engine import (World, adopt_launcher_env, all_gather_object, barrier, fill_auto,
+from app.device import (Device, attention_implementation, detect, enable_tf32,
+                        set_cpu_threads)
+from app.engine import (World, adopt_launcher_env, barrier, fill_auto,
                         init_distributed, initialize, load_ds_config, settle_precision,
-                        validate_ds_config, versions, world_from_env, zero_config_path,
-                        zero_stage)
+                        engine_facts, shutdown, validate_ds_config, versions, world_from_env,
+                        zero_config_path, zero_stage)
 from app.metrics import MetricsLogger, wandb_mode
 from app.model import (build_config, build_model, count_parameters, max_positions,
-                       parse_overrides, preset)
+                       optimizer_groups, parse_overrides, preset)
 from app.schedule import schedule_fn
 from app.train_state import TrainState
 from app.trainer import Schedule, Trainer
@@ -72,17 +73,14 @@ class Plan:
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     manifest = load_manifest(cfg.data)
     check_tokenizer_copy(cfg.data, manifest)
-    ds_path = cfg.ds_config or zero_config_path(cfg.zero or 0)
-    raw_ds = load_ds_config(ds_path)
-    precision = settle_precision(raw_ds, cfg.precision, device, ds_path)
+    ds_path, raw_ds, precision = settle_deepspeed(cfg, device, world.is_main)
     objective, model_config = settle_model(cfg, manifest, device, precision)
     stats, has_eval = settle_data(cfg, manifest, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
     total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs)
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                   weight_decay=cfg.weight_decay, hidden_size=int(model_config.hidden_size),
-                   pin_memory=device.pin_memory, where=ds_path)
+                   weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path)
     for warning in validate_ds_config(ds, ds_path):
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
@@ -99,6 +97,25 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
                 has_eval=has_eval, resume=resume)
 
 
+def settle_deepspeed(cfg: TrainConfig, device: Device,
+                     is_main: bool) -> tuple[Path, dict[str, Any], str]:
+    """(ds_config path, its contents, precision). Without --zero or --ds-config: ZeRO-0, or
+    ZeRO-1 for bf16, where DeepSpeed accumulates and all-reduces gradients in fp32 (at ZeRO-0 it
+    refuses fp32 accumulation with bf16 weights: gradients would be summed in bf16)."""
+    ds_path = cfg.ds_config or zero_config_path(cfg.zero or 0)
+    raw_ds = load_ds_config(ds_path)
+    precision = settle_precision(raw_ds, cfg.precision, device, ds_path)
+    if precision == "bf16" and zero_stage(raw_ds) == 0:
+        if cfg.zero is None and cfg.ds_config is None:
+            ds_path = zero_config_path(1)
+            raw_ds = load_ds_config(ds_path)
+        elif is_main:
+            print("warning: bf16 at ZeRO-0 accumulates and all-reduces gradients in bf16; "
+                  "DeepSpeed allows fp32 accumulation from ZeRO-1 on (--zero 1: the same "
+                  "communication volume, optimizer states sharded)", file=sys.stderr)
+    return ds_path, raw_ds, precision
+
+
 def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
                  precision: str) -> tuple[str, Any]:
     """(objective, model config): the preset with the dataset's vocabulary and special ids."""
@@ -111,10 +128,11 @@ def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
     special = {"pad_token_id": manifest.get("pad_token_id")}
     if objective == "clm":
         special.update(bos_token_id=manifest.get("bos_token_id", eod), eos_token_id=eod)
-    attn = attention_implementation(cfg.attn, device, precision)
+    attn = attention_implementation(cfg.attn, device, precision, cfg.packing)
     model_config = build_config(cfg.model_name, vocab_size=int(manifest["vocab_size"]),
                                 special_ids=special, overrides=parse_overrides(cfg.model_arg),
-                                dropout=cfg.dropout, attn_implementation=attn)
+                                dropout=cfg.dropout, attn_implementation=attn,
+                                pad_vocab_to=cfg.pad_vocab_to)
     if cfg.seq_len > max_positions(model_config):
         raise UserError(f"--seq-len {cfg.seq_len}: above the {max_positions(model_config)} "
                         f"positions of {cfg.model_name} (raise it with --model-arg)")
@@ -240,22 +258,16 @@ def prepare_run_dir(cfg: TrainConfig, resume: tuple[Path, str] | None) -> None:
 
 
 def stage_data(cfg: TrainConfig, world: World) -> Path:
-    """First local rank of each node copies the dataset to --stage-to; the others wait for it."""
-    path = error = None
-    if world.local_rank == 0:
-        from data_tools.stage import stage  # lazily: only runs that stage need it
-        try:
-            stage(cfg.data, cfg.stage_to, progress=world.is_main)
-            path = str(cfg.stage_to)
-        except UserError as e:  # every rank stops with it, instead of waiting in the gather
-            error = str(e)
-    results = all_gather_object((path, error))  # also the barrier: no rank reads early
-    errors = [e for _, e in results if e]
-    if errors:
-        raise UserError(f"--stage-to {cfg.stage_to}: {errors[0]}")
-    paths = [p for p, _ in results]
-    # Launchers number ranks node by node, so this node's first local rank is rank - local_rank.
-    return Path(paths[world.rank - world.local_rank])
+    """Copy the dataset to node-local --stage-to, before the process group exists (a copy may
+    take longer than any collective's timeout). Every rank calls it: one rank a node copies, the
+    others wait on the destination's lock and then find the copy complete (data_tools.stage)."""
+    from data_tools.stage import stage  # lazily: only runs that stage need it
+
+    try:
+        stage(cfg.data, cfg.stage_to, progress=world.local_rank == 0)
+    except UserError as e:
+        raise UserError(f"--stage-to {cfg.stage_to}: {e}") from None
+    return cfg.stage_to
 
 
 def dropout_seed(seed: int, rank: int) -> int:
@@ -273,16 +285,18 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_run(cfg, device, world_from_env())
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         prepare_run_dir(cfg, plan.resume)
-    world = init_distributed(device)
+    data_dir = stage_data(cfg, plan.world) if cfg.stage_to else cfg.data
+    enable_tf32(device, plan.precision, cfg.tf32)
+    world = init_distributed(device, timeout_minutes=cfg.dist_timeout)
     barrier()
-    data_dir = stage_data(cfg, world) if cfg.stage_to else cfg.data
     engine, n_params = build_engine(plan)
     torch.manual_seed(dropout_seed(cfg.seed, world.rank))
     state = TrainState(facts={"world_size": world.world_size,
                               "global_batch": engine.train_batch_size(),
                               "dataset_fingerprint": plan.manifest["fingerprint"],
                               "model_config": plan.model_config.to_dict(),
-                              "run_config": cfg.to_dict(), "ds_config": plan.ds_config})
+                              "run_config": cfg.to_dict(), "ds_config": plan.ds_config,
+                              "flat_master_groups": checkpoint.flat_master_groups(engine)})
     if plan.resume is not None:
         state.load_state_dict(checkpoint.load(engine, *plan.resume))
         checkpoint.restore_rng(*plan.resume, rank=world.rank)
@@ -298,10 +312,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         trainer.logger.close()
     reference.record(engine, cfg.out, seq_len=cfg.seq_len, step=state.step,
-                     device=trainer.device, is_main=world.is_main)
+                     vocab_size=int(plan.manifest["vocab_size"]), device=trainer.device,
+                     precision=plan.precision, is_main=world.is_main)
     if world.is_main:
         finish(plan, summary, started)
     barrier()
+    shutdown()
     return 0
 
 
@@ -309,9 +325,13 @@ def build_engine(plan: Plan):
     """The model (same seed, same weights on every rank) inside the DeepSpeed engine."""
     cfg = plan.cfg
     model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
-                        seed=cfg.seed, sparse_mlm_head=True)
+                        seed=cfg.seed, for_training=True)
     n_params = count_parameters(model)
-    return initialize(model, plan.ds_config, plan.lr_lambda), n_params
+    engine = initialize(model, plan.ds_config, plan.lr_lambda,
+                        optimizer_groups(model, cfg.weight_decay))
+    if cfg.compile:
+        engine.compile()
+    return engine, n_params
 
 
 def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
@@ -359,6 +379,7 @@ def describe_run(plan: Plan, engine, world: World, data_dir: Path, n_params: int
         "zero_stage": zero_stage(plan.ds_config),
         "ds_config_file": str(plan.ds_path),
         "ds_config": plan.ds_config,
+        "engine": engine_facts(engine),
         "data": {"source": str(cfg.data), "read_from": str(data_dir),
                  "staged": cfg.stage_to is not None,
                  "fingerprint": plan.manifest["fingerprint"],

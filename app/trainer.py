@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from app import checkpoint
-from app.device import memory_gb, to_device
+from app.device import memory_gb, synchronize, to_device
 from app.engine import (World, all_reduce_max, all_reduce_sum, grad_norm_before_step, loss_scale,
                         reported_grad_norm)
 from app.masking import IGNORE_INDEX
@@ -54,7 +54,7 @@ class Trainer:
         self.global_batch = engine.train_batch_size()  # read back: the engine owns batch sizes
         self.grad_accum = engine.gradient_accumulation_steps()
         self.batches: Iterator = iter(train_batches(state.consumed_samples))
-        self.window = Window(state.step)
+        self.window = Window(state.step, sync=synchronize)
         self._reset_window()
         self.last_eval: dict[str, float] = {}
         self.train_seconds = 0.0
@@ -67,7 +67,7 @@ class Trainer:
         self.engine.train()
         self.logger.start_progress(total=sched.stop_step, done=s.step)
         last_eval_step = last_save_step = s.step if s.step else None
-        session = Window(s.step)
+        session = Window(s.step, sync=synchronize)
         while s.step < sched.stop_step:
             self.train_step()
             self.logger.advance()
@@ -100,7 +100,12 @@ class Trainer:
             self.engine.backward(loss)
             if log_now and micro == self.grad_accum - 1:
                 self._grad_norm = grad_norm_before_step(self.engine)
+            skipped = self.engine.skipped_steps  # a host counter: reading it costs nothing
             self.engine.step()
+            if self.engine.skipped_steps != skipped:
+                # fp16 overflow: DeepSpeed skipped the update and held the LR schedule back; the
+                # schedule follows the step counter (and the data), so it advances all the same
+                self.engine.lr_scheduler.step()
             self._loss_sum += loss.detach().float()  # stays on device: no sync per micro step
             self._micro_steps += 1
         s.advance(self.global_batch, self.seq_len)
@@ -126,6 +131,7 @@ class Trainer:
                   "tokens_seen": s.tokens_seen, "train/loss": loss_sum / max(micro, 1),
                   "train/lr": self._lr, "train/grad_norm": norm,
                   "train/loss_scale": loss_scale(self.engine),
+                  "train/skipped_steps": self.engine.skipped_steps,
                   **throughput(steps=s.step - self.window.first_step,
                                global_batch=self.global_batch, seq_len=self.seq_len,
                                world_size=self.world.world_size, busy_sum=busy, wait_sum=wait),
@@ -154,9 +160,10 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):  # evaluation must not shift training randomness
             for batch in self.eval_batches():
                 batch = to_device(batch, self.device)
-                logits = self.engine(input_ids=batch["input_ids"],
-                                     attention_mask=batch["attention_mask"]).logits
-                totals += token_sums(logits, batch["labels"], self.objective)
+                # MLM: logits at the masked positions only; CLM: the loss is ours, in chunks
+                labels = batch["mlm_labels"] if self.objective == "mlm" else batch.pop("labels")
+                logits = self.engine(**batch).logits
+                totals += token_sums(logits, labels, self.objective)
         all_reduce_sum(totals)
         loss_sum, count, correct = totals.tolist()  # eval-time host sync
         self.engine.train()
@@ -195,16 +202,24 @@ class Trainer:
         self._lr = 0.0
 
 
-def token_sums(logits: torch.Tensor, labels: torch.Tensor, objective: str) -> torch.Tensor:
+def token_sums(logits: torch.Tensor, labels: torch.Tensor, objective: str,
+               chunk_rows: int = 4096) -> torch.Tensor:
     """[summed cross-entropy, predicted tokens, correct predictions] of one batch (float64).
 
     CLM predicts token t+1 from position t (Hugging Face's shift); MLM the labelled positions.
+    Rows go through fp32 `chunk_rows` at a time: a [batch x seq x vocab] fp32 copy of a large
+    vocabulary's logits would not fit next to the model.
     """
     if objective == "clm":
         logits, labels = logits[:, :-1], labels[:, 1:]
-    flat_logits = logits.reshape(-1, logits.size(-1)).float()
+    flat_logits = logits.reshape(-1, logits.size(-1))
     flat_labels = labels.reshape(-1)
-    keep = flat_labels != IGNORE_INDEX
-    loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    correct = ((flat_logits.argmax(-1) == flat_labels) & keep).sum()
-    return torch.stack([loss.double(), keep.sum().double(), correct.double()])
+    sums = torch.zeros(3, dtype=torch.float64, device=logits.device)
+    for start in range(0, flat_labels.numel(), chunk_rows):
+        rows = flat_logits[start:start + chunk_rows].float()
+        target = flat_labels[start:start + chunk_rows]
+        keep = target != IGNORE_INDEX
+        sums[0] += F.cross_entropy(rows, target, ignore_index=IGNORE_INDEX, reduction="sum")
+        sums[1] += keep.sum()
+        sums[2] += ((rows.argmax(-1) == target) & keep).sum()
+    return sums

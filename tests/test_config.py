@@ -27,7 +27,7 @@ def parse(*argv: str) -> TrainConfig:
 
 def fill(ds: dict, path: Path, precision: str = "fp32", **kw) -> dict:
     settings = dict(micro_batch=4, grad_accum=2, world_size=1, precision=precision, lr=3e-4,
-                    betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, hidden_size=128,
+                    betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                     pin_memory=False, where=path) | kw
     return fill_auto(ds, **settings)
 
@@ -55,6 +55,18 @@ def test_every_ds_config_resolves_and_deepspeed_parses_it(path):
         assert ds["fp16"]["enabled"] is True and ds["fp16"]["loss_scale"] == 0
     else:
         assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+
+
+@pytest.mark.parametrize("path", DS_FILES, ids=lambda p: p.name)
+def test_bf16_accumulates_in_fp32_where_deepspeed_allows_and_buckets_are_large(path):
+    raw = load_ds_config(path)
+    ds = fill(raw, path, settle_precision(raw, "auto", GPU, path))
+    if ds.get("bf16", {}).get("enabled") and zero_stage(raw) >= 1:
+        assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    else:  # ZeRO-0 refuses the mix (DeepSpeed: "unsupported mix"); fp16 keeps its own
+        assert "data_types" not in ds
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+        assert ds["zero_optimization"].get(key, 5e7) >= 5e7, key
 
 
 def test_switching_zero_stage_is_switching_the_file():

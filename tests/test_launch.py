@@ -174,7 +174,8 @@ def test_threads_per_rank_split_the_cores(tmp_path):
     # fake python that answers launch.sh's version probe (-c), then prints its environment
     # instead of starting deepspeed.
     fake = tmp_path / "python"
-    fake.write_text('#!/usr/bin/env bash\nif [ "$1" = -c ]; then echo "$0"; echo versions; exit; fi\n'
+    fake.write_text('#!/usr/bin/env bash\n'
+                    'if [ "$1" = -c ]; then echo "$0"; echo versions; exit; fi\n'
                     'echo OMP=$OMP_NUM_THREADS TOK=$TOKENIZERS_PARALLELISM\n')
     fake.chmod(0o755)
     env = {**os.environ, "PYTHON": str(fake)}
@@ -182,6 +183,8 @@ def test_threads_per_rank_split_the_cores(tmp_path):
     r = launch("--procs-per-node", "1", "--", "--data", "d", env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"OMP={len(os.sched_getaffinity(0))} TOK=false"
+    # ranks per node unknown here (one per accelerator): each rank divides by LOCAL_WORLD_SIZE
+    assert launch("--", "x", env=env).stdout.strip() == "OMP= TOK=false"
     env["OMP_NUM_THREADS"] = "3"
     assert launch("--", "x", env=env).stdout.strip() == "OMP=3 TOK=false"
 

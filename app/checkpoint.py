@@ -271,10 +271,10 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, stage: int) -> dict[str, t
     fp32 masters beside it in the optimizer state (those are the weights, not their rounding)."""
     tag_dir = ckpt_dir / tag
     try:
-        bf16_partitions = sorted(tag_dir.glob("bf16_zero_pp_rank_*_optim_states.pt"),
-                                 key=lambda f: int(f.name.split("_")[4]))
-        if bf16_partitions:
-            return _bf16_optimizer_masters(tag_dir, bf16_partitions)
+        partitions = sorted(tag_dir.glob("bf16_zero_pp_rank_*_optim_states.pt"),
+                            key=lambda f: int(f.name.split("_")[4]))
+        if partitions and "zero_stage" not in _load(partitions[0])["optimizer_state_dict"]:
+            return _bf16_optimizer_masters(tag_dir, partitions)
         if stage > 0:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
             return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)

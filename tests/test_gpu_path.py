@@ -24,10 +24,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def bf16_runs(mlm_dataset, tmp_path_factory):
-    """10 bf16 steps of bert-tiny at ZeRO-0 and at ZeRO-1 (one rank each), exported."""
+    """10 bf16 steps of bert-tiny at ZeRO-0, 1 and 3 (one rank each), each exported: ZeRO-0
+    keeps its masters flat, ZeRO-1 in BF16_Optimizer partitions, ZeRO-3 in ZeRO's own."""
     root = tmp_path_factory.mktemp("bf16")
     runs = {}
-    for zero in (0, 1):
+    for zero in (0, 1, 3):
         run = root / f"zero{zero}"
         proc = check(run_app("train", "--data", mlm_dataset, "--out", run, *TINY,
                              "--micro-batch", "8", "--max-steps", "10", "--precision", "bf16",
@@ -99,6 +100,7 @@ def test_the_export_check_still_catches_a_wrong_weight(bf16_runs, tmp_path):
 def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_allows(bf16_runs):
     engines = {z: json.loads((run / "config.json").read_text()) for z, (run, _, _) in
                bf16_runs.items()}
+    assert engines[3]["ds_config"]["data_types"] == {"grad_accum_dtype": "fp32"}
     one = engines[1]
     assert one["ds_config"]["data_types"] == {"grad_accum_dtype": "fp32"}
     assert one["engine"]["optimizer"] == "BF16_Optimizer"

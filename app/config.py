@@ -109,6 +109,14 @@ class TrainConfig:
     wandb: str | None = None
     """online|offline|disabled (default: online with WANDB_API_KEY, else offline)."""
     wandb_project: str = "dspretrain"
+    wandb_group: str | None = None
+    """Group the run with others in wandb (e.g. a sweep or the restarts of one experiment)."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """Tags of the wandb run."""
+    run_name: str | None = None
+    """The run's name in wandb (default: the name of --out)."""
+    peak_tflops: float | None = None
+    """The accelerator's dense peak TFLOP/s for MFU (default: from app/hardware.py's table)."""
 
     def __post_init__(self) -> None:
         self.data, self.out = Path(self.data), Path(self.out)
@@ -201,6 +209,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("dist_timeout", type=finite_float, metavar="MINUTES")
     add("wandb", choices=WANDB_MODES)
     add("wandb_project", metavar="NAME")
+    add("wandb_group", metavar="NAME")
+    add("wandb_tags", nargs="+", default=[], metavar="TAG")
+    add("run_name", metavar="NAME")
+    add("peak_tflops", type=finite_float, metavar="F")
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in
     # the environment says the same, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

@@ -296,9 +296,10 @@ def build_eval_loader(spec: DataSpec, *, micro_batch: int, dp_rank: int, dp_size
                       prefetch_factor: int = 4, manifest: dict | None = None) -> MicroBatches:
     """One deterministic pass over (up to `max_samples` of) the split, same masks every time.
 
-    Samples in stored order (identity; the val split is already a sample of the corpus); every
-    rank gets the same number of micro batches, the last ones wrapping to the split's start, so
-    a few samples may count twice when the sample count does not divide evenly.
+    Samples in stored order (identity; the val split is already a sample of the corpus). Every
+    rank gets the same number of micro batches (collectives in eval never wait on a rank that ran
+    out); where the sample count does not divide, the last ones are filler without labels, so
+    every validation sample is counted exactly once.
     """
     check_batch_geometry(micro_batch * dp_size, micro_batch, dp_size)
     check_rank(dp_rank, dp_size)
@@ -307,18 +308,19 @@ def build_eval_loader(spec: DataSpec, *, micro_batch: int, dp_rank: int, dp_size
     dataset = TokenWindows(spec, manifest, eval_order=True)
     total = dataset.num_samples if max_samples is None else min(max_samples, dataset.num_samples)
     positions = eval_positions(total, micro_batch, dp_rank, dp_size)
-    return _loader(dataset, _Wrapped(positions, total), micro_batch, num_workers, pin_memory,
+    return _loader(EvalPass(dataset, total), positions, micro_batch, num_workers, pin_memory,
                    prefetch_factor)
 
 
-class _Wrapped:
-    """positions modulo `total`, lazily (an eval pass over a huge split needs no list)."""
+class EvalPass(Dataset):
+    """Positions of an eval pass over the first `total` samples: those past the end read a sample
+    again (the shapes stay equal) with every label ignored, so no sample counts twice."""
 
-    def __init__(self, positions: range, total: int):
-        self.positions, self.total = positions, total
+    def __init__(self, samples: TokenWindows, total: int):
+        self.samples, self.total, self.spec = samples, total, samples.spec
 
-    def __iter__(self) -> Iterator[int]:
-        return (p % self.total for p in self.positions)
-
-    def __len__(self) -> int:
-        return len(self.positions)
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        sample = self.samples[int(position) % self.total]
+        if position >= self.total:
+            sample["labels"] = torch.full_like(sample["labels"], IGNORE_INDEX)
+        return sample

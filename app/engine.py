@@ -348,16 +348,20 @@ def _several_ranks() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
+def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (the same length on each), in rank order: one small all-gather."""
+    row = torch.tensor(values, dtype=torch.float64, device=device)
+    if not _several_ranks():
+        return [row.tolist()]
+    rows = [torch.empty_like(row) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(rows, row)
+    return [r.tolist() for r in rows]
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place."""
     if _several_ranks():
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-    return tensor
-
-
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    if _several_ranks():
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return tensor
 
 

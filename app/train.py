@@ -19,16 +19,17 @@ from typing import Any, Callable
 
 import torch
 
-from app import checkpoint, reference, rundir
+from app import checkpoint, faults, reference, rundir, telemetry
 from app import config as config_mod
 from app.config import TrainConfig
-from app.device import (Device, attention_implementation, detect, enable_tf32,
+from app.device import (ComputeClock, Device, attention_implementation, detect, enable_tf32,
                         set_cpu_threads)
+from app.flops import ModelShape, flops_per_token, head_fraction
 from app.engine import (World, adopt_launcher_env, barrier, fill_auto,
                         init_distributed, initialize, load_ds_config, settle_precision,
                         engine_facts, shutdown, validate_ds_config, versions, world_from_env,
                         zero_config_path, zero_stage)
-from app.metrics import MetricsLogger, wandb_mode
+from app.metrics import MetricsLogger, WandbSettings, wandb_mode
 from app.model import (build_config, build_model, count_parameters, max_positions,
                        optimizer_groups, parse_overrides, preset)
 from app.schedule import schedule_fn
@@ -304,9 +305,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"resumed from {plan.resume[0] / plan.resume[1]} at step {state.step}",
                   file=sys.stderr)
     run_config = describe_run(plan, engine, world, data_dir, n_params, threads)
+    shape = run_shape(plan, engine)
     if world.is_main:
-        record_run(plan, engine, run_config, data_dir, n_params)
-    trainer = build_trainer(plan, engine, world, data_dir, state, run_config)
+        record_run(plan, engine, run_config, data_dir, n_params, shape)
+    trainer = build_trainer(plan, engine, world, data_dir, state, run_config, shape)
     try:
         summary = trainer.fit()
     finally:
@@ -335,13 +337,16 @@ def build_engine(plan: Plan):
 
 
 def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
-               n_params: int) -> None:
-    """Main rank: the start-up line, RUN_DIR/config.json and the run's copy of the tokenizer."""
+               n_params: int, shape: telemetry.RunShape) -> None:
+    """Main rank: the start-up banner, RUN_DIR/config.json and the run's copy of the tokenizer."""
     cfg, world = plan.cfg, plan.world
     print(f"model: {cfg.model_name} ({plan.objective}), {n_params / 1e6:.2f}M parameters, "
           f"{plan.precision}, ZeRO-{zero_stage(plan.ds_config)}, {world.world_size} rank(s) "
           f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
           f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
+          file=sys.stderr)
+    print(telemetry.banner(shape, nodes=run_config["environment"]["nodes"],
+                           total_steps=plan.total_steps, device=plan.device.model),
           file=sys.stderr)
     write_json_atomic(cfg.out / rundir.RUN_CONFIG, run_config)
     tok_src = data_dir / plan.manifest["tokenizer"].get("dir", TOKENIZER_DIR)
@@ -386,14 +391,27 @@ def describe_run(plan: Plan, engine, world: World, data_dir: Path, n_params: int
                  "vocab_size": plan.manifest["vocab_size"]},
         "environment": {"world_size": world.world_size,
                         "local_world_size": world.local_world_size,
+                        "nodes": max(1, world.world_size // max(1, world.local_world_size)),
                         "device": plan.device.as_dict(), "cpu_threads_per_rank": threads,
                         "hostname": platform.node(), "python": platform.python_version(),
                         **versions()},
     }
 
 
+def run_shape(plan: Plan, engine) -> telemetry.RunShape:
+    """What telemetry needs to turn times into throughput and MFU (docs: app/flops.py)."""
+    cfg = plan.cfg
+    per_token = flops_per_token(ModelShape.from_config(plan.model_config), cfg.seq_len,
+                                head_fraction(plan.objective, cfg.mask_prob))
+    peak = telemetry.peak_tflops(plan.device.model, plan.precision, tf32=cfg.tf32,
+                                 override=cfg.peak_tflops)
+    return telemetry.RunShape(global_batch=engine.train_batch_size(), seq_len=cfg.seq_len,
+                              world_size=plan.world.world_size, flops_per_token=per_token,
+                              peak_tflops=peak)
+
+
 def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: TrainState,
-                  run_config: dict[str, Any]) -> Trainer:
+                  run_config: dict[str, Any], shape: telemetry.RunShape) -> Trainer:
     from app.data import DataSpec, build_eval_loader, build_train_loader, default_num_workers
 
     cfg = plan.cfg
@@ -407,19 +425,20 @@ def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: Train
                         cfg.mask_prob)
 
     def train_batches(consumed: int):
-        return build_train_loader(spec("train"), micro_batch=micro,
-                                  global_batch=engine.train_batch_size(), dp_rank=world.rank,
-                                  dp_size=world.world_size, consumed_samples=consumed,
-                                  num_workers=workers, pin_memory=pin)
+        return faults.slow_loader(build_train_loader(
+            spec("train"), micro_batch=micro, global_batch=engine.train_batch_size(),
+            dp_rank=world.rank, dp_size=world.world_size, consumed_samples=consumed,
+            num_workers=workers, pin_memory=pin), world.rank)
 
     def eval_batches():
         return build_eval_loader(spec("val"), micro_batch=micro,
                                  dp_rank=world.rank, dp_size=world.world_size,
                                  max_samples=cfg.eval_samples, num_workers=0, pin_memory=pin)
 
-    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb_mode=wandb_mode(cfg.wandb),
-                           run_config=run_config, project=cfg.wandb_project,
-                           run_name=cfg.out.resolve().name,
+    wandb = WandbSettings(mode=wandb_mode(cfg.wandb), project=cfg.wandb_project,
+                          name=cfg.run_name or cfg.out.resolve().name, group=cfg.wandb_group,
+                          tags=tuple(cfg.wandb_tags))
+    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb=wandb, run_config=run_config,
                            resumed_step=state.step if plan.resume else None)
     schedule = Schedule(total_steps=plan.total_steps,
                         stop_step=min(cfg.stop_at_step or plan.total_steps, plan.total_steps),
@@ -430,4 +449,5 @@ def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: Train
                    schedule=schedule, state=state, seq_len=cfg.seq_len, objective=plan.objective,
                    train_batches=train_batches,
                    eval_batches=eval_batches if plan.has_eval else None, logger=logger,
-                   ckpt_dir=cfg.out / rundir.CHECKPOINTS)
+                   ckpt_dir=cfg.out / rundir.CHECKPOINTS, shape=shape,
+                   compute_clock=ComputeClock(plan.device))

@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from app import checkpoint
-from app.device import memory_gb, synchronize, to_device
-from app.engine import (World, all_reduce_max, all_reduce_sum, grad_norm_before_step, loss_scale,
+from app.device import ComputeClock, memory_gb, synchronize, to_device
+from app import telemetry
+from app.engine import (World, all_reduce_sum, gather_rows, grad_norm_before_step, loss_scale,
                         reported_grad_norm)
 from app.masking import IGNORE_INDEX
 from app.metrics import MetricsLogger
-from app.timing import Window, throughput
+from app.timing import Window
 from app.train_state import TrainState
 
 
@@ -45,7 +46,8 @@ class Trainer:
                  state: TrainState, seq_len: int, objective: str,
                  train_batches: Callable[[int], Iterable],
                  eval_batches: Callable[[], Iterable] | None,
-                 logger: MetricsLogger, ckpt_dir: Path):
+                 logger: MetricsLogger, ckpt_dir: Path, shape: telemetry.RunShape,
+                 compute_clock: ComputeClock):
         self.engine, self.world, self.device = engine, world, device
         self.schedule, self.state = schedule, state
         self.seq_len, self.objective = seq_len, objective
@@ -54,9 +56,11 @@ class Trainer:
         self.global_batch = engine.train_batch_size()  # read back: the engine owns batch sizes
         self.grad_accum = engine.gradient_accumulation_steps()
         self.batches: Iterator = iter(train_batches(state.consumed_samples))
-        self.window = Window(state.step, sync=synchronize)
+        self.shape = shape
+        self.window = Window(state.step, sync=synchronize, clock=compute_clock)
         self._reset_window()
         self.last_eval: dict[str, float] = {}
+        self.intervals: list[dict[str, Any]] = []  # the logged figures, for summary.json
         self.train_seconds = 0.0
         self.session_steps = 0
 
@@ -96,7 +100,8 @@ class Trainer:
         for micro in range(self.grad_accum):
             with self.window.waiting_for_data():
                 batch = next(self.batches)
-            loss = self.engine(**to_device(batch, self.device)).loss
+            with self.window.forward():
+                loss = self.engine(**to_device(batch, self.device)).loss
             self.engine.backward(loss)
             if log_now and micro == self.grad_accum - 1:
                 self._grad_norm = grad_norm_before_step(self.engine)
@@ -114,29 +119,28 @@ class Trainer:
     # -- named calls ----------------------------------------------------------------------------
 
     def log(self) -> None:
-        """Reduce this window's figures across ranks (the only host sync of training) and log."""
+        """Gather this window's figures from every rank (the only host sync of training: one
+        small all-gather) and log them."""
         s = self.state
-        sums = torch.stack([self._loss_sum.to(torch.float64).cpu(),
-                            torch.tensor(float(self._micro_steps), dtype=torch.float64),
-                            torch.tensor(self.window.data_wait, dtype=torch.float64),
-                            torch.tensor(self.window.elapsed(), dtype=torch.float64)]
-                           ).to(self.device)
-        all_reduce_sum(sums)
-        mem, peak = memory_gb()
-        mems = all_reduce_max(torch.tensor([mem, peak], dtype=torch.float64, device=self.device))
-        loss_sum, micro, wait, busy = sums.tolist()  # .item(): log-time host sync
+        wall = self.window.elapsed()  # syncs the device first
+        loss_sum = self._loss_sum.double().item()  # log-time host sync
+        rows = gather_rows([loss_sum, float(self._micro_steps), wall, self.window.data_wait,
+                            self.window.forward_seconds(), *memory_gb()], self.device)
         norm = (float(self._grad_norm) if self._grad_norm is not None
                 else reported_grad_norm(self.engine))
         record = {"step": s.step, "consumed_samples": s.consumed_samples,
-                  "tokens_seen": s.tokens_seen, "train/loss": loss_sum / max(micro, 1),
+                  "tokens_seen": s.tokens_seen,
+                  "train/loss": sum(r[0] for r in rows) / max(sum(r[1] for r in rows), 1),
                   "train/lr": self._lr, "train/grad_norm": norm,
                   "train/loss_scale": loss_scale(self.engine),
                   "train/skipped_steps": self.engine.skipped_steps,
-                  **throughput(steps=s.step - self.window.first_step,
-                               global_batch=self.global_batch, seq_len=self.seq_len,
-                               world_size=self.world.world_size, busy_sum=busy, wait_sum=wait),
-                  "sys/mem_gb": mems[0].item(), "sys/max_mem_gb": mems[1].item()}
+                  **telemetry.interval([r[2:] for r in rows], s.step - self.window.first_step,
+                                       self.shape)}
         self.logger.log(record)
+        if not self.intervals:
+            self.logger.note(telemetry.expected_time(record["perf/step_time_ms"],
+                                                     self.schedule.stop_step - s.step))
+        self.intervals.append(record)
         self._reset_window()
 
     @torch.no_grad()
@@ -192,7 +196,8 @@ class Trainer:
                 "tokens_per_sec": trained_tokens / max(self.train_seconds, 1e-9),
                 "samples_per_sec": self.session_steps * self.global_batch
                 / max(self.train_seconds, 1e-9),
-                "best_eval_loss": s.best_eval_loss, "final_eval": self.last_eval}
+                "best_eval_loss": s.best_eval_loss, "final_eval": self.last_eval,
+                **telemetry.run_figures(self.intervals)}
 
     def _reset_window(self) -> None:
         self._loss_sum = torch.zeros((), device=self.device)

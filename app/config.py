@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from app.anomaly import Rules
 from data_tools.cli import config_flags, finite_float, flag
 from data_tools.errors import UserError
 
@@ -92,6 +93,23 @@ class TrainConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted after a newer save completed."""
+    on_anomaly: str = Rules.policy
+    """rollback|skip|stop on a loss spike or a non-finite loss (docs/design.md, "Faults")."""
+    spike_z: float = Rules.z
+    """A spike: the step loss more than this many standard deviations above the recent mean..."""
+    spike_rise: float = Rules.rise
+    """...and more than this fraction above it."""
+    spike_window: int = Rules.window
+    """Steps of recent loss history a step is judged against."""
+    max_rollbacks: int = Rules.max_rollbacks
+    """More rollbacks than this within 1,000 steps stop the run (exit status 3)."""
+    cooldown_steps: int = Rules.cooldown_steps
+    """After a rollback the LR ramps back to the schedule over this many steps..."""
+    cooldown_factor: float = Rules.cooldown_factor
+    """...starting at this fraction of it."""
+    hang_timeout: float = 1800.0
+    """Seconds without progress (stuck in a collective, the loader, a save) before a rank prints
+    where every thread is and exits 124 (0: no watchdog)."""
     save_errors: str = "stop"
     """stop|skip: a save that fails (full disk) stops the run, or is skipped with a warning."""
     eval_every: int = 0
@@ -130,6 +148,13 @@ class TrainConfig:
         for name in ("grad_accum", "global_batch", "max_tokens", "stop_at_step"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        for name in ("spike_window", "cooldown_steps"):
+            _positive(name, getattr(self, name))
+        if self.max_rollbacks < 0 or self.hang_timeout < 0 or self.spike_z <= 0:
+            raise UserError("--max-rollbacks and --hang-timeout must be 0 or more, --spike-z "
+                            "positive")
+        if not 0.0 < self.cooldown_factor <= 1.0:
+            raise UserError(f"--cooldown-factor {self.cooldown_factor}: must be in (0, 1]")
         if self.dist_timeout <= 0:
             raise UserError(f"--dist-timeout {self.dist_timeout}: must be positive (minutes)")
         for name in ("save_every", "eval_every"):
@@ -205,6 +230,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("resume", metavar="auto|never|PATH")
     add("overwrite", action="store_true")
     add("save_errors", choices=("stop", "skip"))
+    add("on_anomaly", choices=("rollback", "skip", "stop"))
+    for name in ("spike_z", "spike_rise", "cooldown_factor", "hang_timeout"):
+        add(name, type=finite_float, metavar="F")
+    for name in ("spike_window", "max_rollbacks", "cooldown_steps"):
+        add(name, type=int, metavar="N")
     add("stage_to", type=Path, metavar="DIR")
     add("dist_timeout", type=finite_float, metavar="MINUTES")
     add("wandb", choices=WANDB_MODES)

@@ -45,6 +45,17 @@ class Device:
     def is_cpu(self) -> bool:
         return self.name == "cpu"
 
+    @property
+    def torch_adam(self) -> bool:
+        """Whether DeepSpeed's Adam should be torch's rather than its compiled op.
+
+        On CPU the compiled op keeps beta**step as a running product in C++ state, which a
+        resumed process recomputes with pow: the same weights and moments then step to values a
+        last bit apart. torch's AdamW takes the power from the step stored in the checkpoint, so
+        resume stays bit-exact. The CUDA kernel recomputes the power every step already.
+        """
+        return self.is_cpu
+
     def torch_device(self, local_rank: int = 0) -> torch.device:
         return torch.device(self.name if self.is_cpu else f"{self.name}:{local_rank}")
 

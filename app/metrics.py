@@ -101,9 +101,8 @@ class MetricsLogger:
             self._bar.set_postfix_str(f"loss {clean['train/loss']:.4f}, "
                                       f"{clean.get('perf/tokens_per_sec', 0):,.0f} tok/s",
                                       refresh=False)
-        if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in clean.items() if k != "step"},
-                               step=int(clean["step"]))
+        if self.wandb_run is not None:  # wandb's own step: after a rollback ours goes back
+            self.wandb_run.log(clean)
 
     def start_progress(self, *, total: int, done: int) -> None:
         if self.enabled and sys.stderr.isatty():
@@ -158,6 +157,7 @@ def _start_wandb(run_dir: Path, settings: WandbSettings, run_config: dict):
                      group=settings.group, tags=list(settings.tags) or None,
                      settings=wandb.Settings(init_timeout=120, console="off"))
     run.define_metric("tokens_seen")  # an x-axis for every chart, besides the optimizer step
+    run.define_metric("step")
     for prefix in ("train", "eval", "perf", "sys", "data"):
         run.define_metric(f"{prefix}/*", step_metric="tokens_seen", step_sync=True)
     return run

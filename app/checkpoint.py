@@ -5,41 +5,56 @@ Layout under RUN_DIR/checkpoints/:
     global_step{N}/             DeepSpeed's files (model, optimizer/ZeRO partitions, scheduler)
     global_step{N}/train_state.json   step, consumed samples, tokens, dataset fingerprint, config
     global_step{N}/rng_rank{R}.pt     each rank's RNG states (dropout), written by that rank
-    latest                      the newest complete tag (written by DeepSpeed, last)
+    latest                      the newest complete tag (ours, written atomically once every
+                                rank's files are on disk)
 
 Our files are written before DeepSpeed's save, so `latest` never names a tag without them;
-train_state.json lets a resume be checked (and refused) before any process group starts.
+train_state.json lets a resume be checked (and refused) before any process group starts. A tag
+newer than `latest` is what an interrupted save left: a resume removes it. A save that fails
+(a full disk, a permission) removes its partial tag and leaves `latest` where it was.
 """
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from app import faults
+from app.device import rng_state, set_rng_state
+from app.engine import any_rank, barrier, world_size
+from app.rundir import CHECKPOINTS
+from app.train_state import TrainStateFile
+from data_tools import output
 from data_tools.errors import UserError
-from data_tools.manifest import write_json_atomic, write_text_atomic
+from data_tools.schema import read_json
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE = "train_state.json"
 TAG_RE = re.compile(r"^global_step(\d+)$")
+# What defines a sample: a resume that changed one would reinterpret `consumed_samples`.
+SAMPLE_LAYOUT = ("seq_len", "packing", "seed", "objective")
 
 
 def tag_for(step: int) -> str:
     return f"global_step{step}"
 
 
+def step_of(tag: str) -> int | None:
+    m = TAG_RE.match(tag)
+    return int(m.group(1)) if m else None
+
+
 def latest_tag(ckpt_dir: Path) -> str | None:
     path = ckpt_dir / LATEST
     if not path.is_file():
         return None
-    tag = path.read_text().strip()
+    tag = path.read_bytes().decode("utf-8", errors="replace").strip()
     return tag if TAG_RE.match(tag) and (ckpt_dir / tag).is_dir() else None
 
 
@@ -80,19 +95,27 @@ def find_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
 
 def read_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
     path = ckpt_dir / tag / STATE
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing (an incomplete checkpoint, or not one of this app's)") \
-            from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    return read_json(path, TrainStateFile, missing=f"{path}: missing (an incomplete checkpoint, "
+                                                   f"or not one of this app's)")
+
+
+def check_files(tag_dir: Path) -> None:
+    """Refuse a checkpoint whose files are cut short (a zip's central directory sits at its end,
+    so opening each one is a cheap check that catches truncation); names the file."""
+    files = sorted(tag_dir.glob("*.pt"))
+    if not any(f.name.endswith("model_states.pt") for f in files):
+        raise UserError(f"{tag_dir}: no *model_states.pt (an incomplete checkpoint)")
+    for f in files:
+        try:
+            with zipfile.ZipFile(f):
+                pass
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            raise UserError(f"{f}: corrupt or truncated checkpoint file ({e})") from None
 
 
 def check_resumable(state: dict[str, Any], *, fingerprint: str, model_config: dict[str, Any],
-                    where: Path) -> None:
-    """Refuse a resume on other data or another model geometry (UserError naming both)."""
+                    where: Path, sample_layout: dict[str, Any] | None = None) -> None:
+    """Refuse a resume on other data, another model geometry or another sample layout."""
     if state.get("dataset_fingerprint") != fingerprint:
         raise UserError(f"{where}: the checkpoint was trained on dataset "
                         f"{state.get('dataset_fingerprint')}, --data is {fingerprint}: refusing "
@@ -103,6 +126,13 @@ def check_resumable(state: dict[str, Any], *, fingerprint: str, model_config: di
         if key in saved and saved[key] != value and not _may_change(key):
             raise UserError(f"{where}: model field '{key}' is {saved[key]!r} in the checkpoint "
                             f"and {value!r} now: refusing to resume into another model")
+    run = state.get("run_config", {})
+    for key, value in (sample_layout or {}).items():
+        if run.get(key) is not None and run[key] != value:
+            raise UserError(f"{where}: --{key.replace('_', '-')} was {run[key]!r} and is "
+                            f"{value!r} now: the checkpoint's sample position would mean other "
+                            f"samples; resume with --{key.replace('_', '-')} {run[key]}, or "
+                            f"start a new run")
 
 
 def _may_change(key: str) -> bool:
@@ -111,49 +141,81 @@ def _may_change(key: str) -> bool:
         "transformers_version", "attn_implementation", "dtype", "torch_dtype", "use_cache"))
 
 
-def rng_state() -> dict[str, Any]:
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if acc.device_name() != "cpu":
-        state["accelerator"] = acc.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    from deepspeed.accelerator import get_accelerator
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "accelerator" in state:
-        get_accelerator().set_rng_state(state["accelerator"])
+def estimate_bytes(ckpt_dir: Path, engine) -> int:
+    """Bytes the next save will write: the newest tag's size, else 16 bytes a parameter (fp32
+    weights and master copy, two Adam moments), the most any precision or ZeRO stage writes."""
+    tag = latest_tag(ckpt_dir) if ckpt_dir.is_dir() else None
+    if tag is not None:
+        return sum(f.stat().st_size for f in (ckpt_dir / tag).rglob("*") if f.is_file())
+    return 16 * sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                    for p in engine.module.parameters())
 
 
 def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
-         keep_last: int) -> Path:
-    """Save tag global_step{step} on every rank, then prune to the newest `keep_last` tags."""
-    import deepspeed.comm as dist
+         keep_last: int, skip_errors: bool = False) -> Path | None:
+    """Save tag global_step{step} on every rank, then prune to the newest `keep_last` tags.
+
+    A disk that cannot hold the checkpoint is found before anything is written (every rank
+    agrees); a write that fails anyway removes the partial tag and stops this rank, which ends
+    the job (the launcher stops the others). `skip_errors` skips the save instead, where that
+    is safe: when the ranks agree before writing, or in a world of one. Returns None if skipped.
+    """
 
     tag = tag_for(step)
+    tag_dir = ckpt_dir / tag
+    needed = estimate_bytes(ckpt_dir, engine)
+    free = output.free_bytes(ckpt_dir)
+    if any_rank(free is not None and needed > free, engine.device):
+        return _save_failed(output.disk_full_message(tag_dir, needed), tag, ckpt_dir,
+                            skip_errors)
+    try:
+        with output.writing(tag_dir, needed):
+            _write(engine, ckpt_dir, tag, state, rank)
+    except UserError as e:
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        return _save_failed(str(e), tag, ckpt_dir, skip_errors and world_size() == 1)
+    barrier()  # every rank's partitions are on disk before `latest` moves or anything goes
+    if rank == 0:
+        output.write_text_atomic(ckpt_dir / LATEST, tag)
+        prune(ckpt_dir, keep_last)
+    barrier()  # no rank reads `latest` (or starts the next save) before it is written
+    return tag_dir
+
+
+def _write(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int) -> None:
     tag_dir = ckpt_dir / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
     if rank == 0:
-        write_json_atomic(tag_dir / STATE, state)
+        output.write_json_atomic(tag_dir / STATE, state)
     # `latest` is ours to write, after every rank's files are on disk and atomically: DeepSpeed
     # writes it from rank 0 before its final barrier and in place, so a job killed mid-save
     # could leave it naming a partial tag, or empty
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"train_state": state},
                            save_latest=False)
-    dist.barrier()  # every rank's partitions are on disk before `latest` moves or anything goes
-    if rank == 0:
-        write_text_atomic(ckpt_dir / LATEST, tag)
-        prune(ckpt_dir, keep_last)
-    dist.barrier()  # no rank reads `latest` (or starts the next save) before it is written
-    return tag_dir
+    faults.die_in_save(step_of(tag))
+
+
+def _save_failed(message: str, tag: str, ckpt_dir: Path, skip: bool) -> None:
+    previous = latest_tag(ckpt_dir)
+    kept = (f"`latest` still names {previous}" if previous else "no earlier checkpoint exists")
+    text = f"checkpoint {tag} not saved: {message}; {kept}"
+    if not skip:
+        raise UserError(text + " (--save-errors skip continues past failed saves)")
+    print(f"warning: {text}; training continues (--save-errors skip)", file=sys.stderr,
+          flush=True)
+    return None
+
+
+def remove_partial_saves(ckpt_dir: Path) -> list[str]:
+    """Delete tags newer than `latest`: saves that were interrupted before they completed."""
+    tag = latest_tag(ckpt_dir)
+    if tag is None:
+        return []
+    newer = tags_after(ckpt_dir, tag)
+    for name in newer:
+        shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+    return newer
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> list[str]:
@@ -167,10 +229,14 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[str]:
     return removed
 
 
-def load(engine, ckpt_dir: Path, tag: str, *, rank: int) -> dict[str, Any]:
+def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
     """Load model, optimizer and scheduler states; return the train state. RNG: `restore_rng`."""
-    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    try:
+        path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{ckpt_dir / tag}: cannot load the checkpoint ({first[:200]})") from None
     if path is None:
         raise UserError(f"{ckpt_dir / tag}: DeepSpeed found no checkpoint to load")
     return client["train_state"]
@@ -182,5 +248,72 @@ def restore_rng(ckpt_dir: Path, tag: str, *, rank: int) -> bool:
     path = ckpt_dir / tag / f"rng_rank{rank}.pt"
     if not path.is_file():
         return False
-    set_rng_state(torch.load(path, weights_only=False))
+    try:
+        state = torch.load(path, weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise UserError(f"{path}: corrupt or truncated checkpoint file ({e})") from None
+    set_rng_state(state)
     return True
+
+
+def flat_master_groups(engine) -> list[list[str]] | None:
+    """Names of the parameters in each flat fp32 master group, in order, where DeepSpeed keeps
+    the masters flattened in its optimizer state (ZeRO-0 in bf16/fp16; ZeRO 1-3 checkpoints
+    carry their own layout). Saved in the train state so an export can take the masters."""
+    groups = getattr(engine.optimizer, "fp16_groups", None)
+    if engine.zero_optimization() or not groups:
+        return None
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return [[names[id(p)] for p in group] for group in groups]
+
+
+def consolidated_state_dict(ckpt_dir: Path, tag: str, stage: int) -> dict[str, torch.Tensor]:
+    """fp32 weights of the whole model from one checkpoint tag: ZeRO 1-3 partitions consolidated
+    by DeepSpeed's own zero_to_fp32; ZeRO-0 holds the whole module, in bf16/fp16 runs with the
+    fp32 masters beside it in the optimizer state (those are the weights, not their rounding)."""
+    tag_dir = ckpt_dir / tag
+    try:
+        partitions = sorted(tag_dir.glob("bf16_zero_pp_rank_*_optim_states.pt"),
+                            key=lambda f: int(f.name.split("_")[4]))
+        if partitions and "zero_stage" not in _load(partitions[0])["optimizer_state_dict"]:
+            return _bf16_optimizer_masters(tag_dir, partitions)
+        if stage > 0:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        saved = _load(sorted(tag_dir.glob("mp_rank_*_model_states.pt"))[0])
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{tag_dir}: cannot read the checkpoint ({first[:200]})") from None
+    weights = {k: v.float() for k, v in saved["module"].items()}
+    masters = (saved.get("optimizer") or {}).get("fp32_groups_flat")
+    groups = read_state(ckpt_dir, tag).get("flat_master_groups")
+    if masters and groups:
+        for flat, names in zip(masters, groups):
+            offset = 0
+            for name in names:
+                n = weights[name].numel()
+                weights[name] = flat[offset:offset + n].view_as(weights[name]).clone()
+                offset += n
+    return weights
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _bf16_optimizer_masters(tag_dir: Path, partitions: list[Path]) -> dict[str, torch.Tensor]:
+    """fp32 weights from DeepSpeed's BF16_Optimizer checkpoint (bf16 at ZeRO-1 with fp32
+    gradient accumulation), which zero_to_fp32 does not read (no `zero_stage` key in it): each
+    rank holds a slice of every flat fp32 group; the slices in rank order are the group, its
+    parameters back to back in `param_shapes` order, then alignment padding."""
+    model = _load(sorted(tag_dir.glob("mp_rank_*_model_states.pt"))[0])
+    states = [_load(f)["optimizer_state_dict"] for f in partitions]
+    weights = {k: v.float() for k, v in model["module"].items() if k in model["buffer_names"]}
+    for g, shapes in enumerate(model["param_shapes"]):
+        flat = torch.cat([s["single_partition_of_fp32_groups"][g] for s in states])
+        offset = 0
+        for name, shape in shapes.items():
+            n = shape.numel()
+            weights[name] = flat[offset:offset + n].view(shape).clone()
+            offset += n
+    return weights

@@ -7,10 +7,13 @@ recorded next to this config in RUN_DIR/config.json.
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, asdict, dataclass, field, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from app.anomaly import Rules
+from data_tools.cli import config_flags, finite_float, flag
 from data_tools.errors import UserError
 
 RESUME_MODES = ("auto", "never")
@@ -35,7 +38,8 @@ class TrainConfig:
     ds_config: Path | None = None
     """DeepSpeed JSON; its "auto" fields are filled from these flags."""
     zero: int | None = None
-    """Shorthand for ds_configs/zero{N}.json (default 0)."""
+    """Shorthand for ds_configs/zero{N}.json (default 0; 1 for bf16: DeepSpeed accumulates bf16
+    gradients in fp32 only from ZeRO-1 on)."""
     precision: str = "auto"
     """auto|bf16|fp16|fp32: auto = bf16 on accelerators that have it, fp32 on CPU."""
     seq_len: int = 128
@@ -66,12 +70,18 @@ class TrainConfig:
     eps: float = 1e-8
     seed: int = 0
     """Seeds the weights, the sample order, the masks and dropout."""
+    pad_vocab_to: int = 128
+    """Round the model's vocabulary up to a multiple of N (tensor-core tiles; 1: no padding)."""
     dropout: float | None = None
     """Overrides the preset's dropout (0 makes runs comparable across world sizes)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, ~30% more compute."""
     attn: str = "auto"
     """Attention kernel: auto (flash_attention_2 if installed on GPU, else sdpa), sdpa, eager."""
+    compile: bool = False
+    """torch.compile the model (through DeepSpeed's engine.compile)."""
+    tf32: bool = False
+    """Let fp32 matrix products use TF32 tensor cores (NVIDIA GPUs; ~8x faster, 10-bit mantissa)."""
     packing: str = "concat"
     """concat (windows across documents) or doc (one document per sample)."""
     mask_prob: float = 0.15
@@ -83,6 +93,25 @@ class TrainConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted after a newer save completed."""
+    on_anomaly: str = Rules.policy
+    """rollback|skip|stop on a loss spike or a non-finite loss (docs/design.md, "Faults")."""
+    spike_z: float = Rules.z
+    """A spike: the step loss more than this many standard deviations above the recent mean..."""
+    spike_rise: float = Rules.rise
+    """...and more than this fraction above it."""
+    spike_window: int = Rules.window
+    """Steps of recent loss history a step is judged against."""
+    max_rollbacks: int = Rules.max_rollbacks
+    """More rollbacks than this within 1,000 steps stop the run (exit status 3)."""
+    cooldown_steps: int = Rules.cooldown_steps
+    """After a rollback the LR ramps back to the schedule over this many steps..."""
+    cooldown_factor: float = Rules.cooldown_factor
+    """...starting at this fraction of it."""
+    hang_timeout: float = 1800.0
+    """Seconds without progress (stuck in a collective, the loader, a save) before a rank prints
+    where every thread is and exits 124 (0: no watchdog)."""
+    save_errors: str = "stop"
+    """stop|skip: a save that fails (full disk) stops the run, or is skipped with a warning."""
     eval_every: int = 0
     """Evaluate on the val split every N steps (0: only at the end)."""
     eval_samples: int = 256
@@ -92,33 +121,52 @@ class TrainConfig:
     num_workers: int | None = None
     """Data-loader workers per rank (default: from the cores per rank)."""
     stage_to: Path | None = None
-    """Node-local directory to copy the dataset to before training (first local rank copies)."""
+    """Node-local directory to copy the dataset to before training (one rank a node copies)."""
+    dist_timeout: float = 30.0
+    """Minutes a collective may wait for the slowest rank before the job fails."""
     wandb: str | None = None
     """online|offline|disabled (default: online with WANDB_API_KEY, else offline)."""
     wandb_project: str = "dspretrain"
+    wandb_group: str | None = None
+    """Group the run with others in wandb (e.g. a sweep or the restarts of one experiment)."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """Tags of the wandb run."""
+    run_name: str | None = None
+    """The run's name in wandb (default: the name of --out)."""
+    peak_tflops: float | None = None
+    """The accelerator's dense peak TFLOP/s for MFU (default: from app/hardware.py's table)."""
 
     def __post_init__(self) -> None:
         self.data, self.out = Path(self.data), Path(self.out)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{flag(f.name)} {value}: must be a finite number")
         for name in ("seq_len", "micro_batch", "max_steps", "log_every", "keep_last",
-                     "eval_samples"):
+                     "eval_samples", "pad_vocab_to"):
             _positive(name, getattr(self, name))
         for name in ("grad_accum", "global_batch", "max_tokens", "stop_at_step"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        for name in ("spike_window", "cooldown_steps"):
+            _positive(name, getattr(self, name))
+        if self.max_rollbacks < 0 or self.hang_timeout < 0 or self.spike_z <= 0:
+            raise UserError("--max-rollbacks and --hang-timeout must be 0 or more, --spike-z "
+                            "positive")
+        if not 0.0 < self.cooldown_factor <= 1.0:
+            raise UserError(f"--cooldown-factor {self.cooldown_factor}: must be in (0, 1]")
+        if self.dist_timeout <= 0:
+            raise UserError(f"--dist-timeout {self.dist_timeout}: must be positive (minutes)")
         for name in ("save_every", "eval_every"):
             if getattr(self, name) < 0:
-                raise UserError(f"--{_flag(name)} {getattr(self, name)}: must be 0 or more")
+                raise UserError(f"{flag(name)} {getattr(self, name)}: must be 0 or more")
         if self.num_workers is not None and self.num_workers < 0:
             raise UserError(f"--num-workers {self.num_workers}: must be 0 or more")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise UserError(f"--warmup-steps {self.warmup_steps}: must be 0 or more")
         if self.zero is not None and self.ds_config is not None:
             raise UserError("--zero and --ds-config are exclusive: --zero N means "
                             "ds_configs/zeroN.json")
         if self.zero is not None and not 0 <= self.zero <= 3:
             raise UserError(f"--zero {self.zero}: ZeRO stages are 0, 1, 2 and 3")
-        if self.objective not in (None, "mlm", "clm"):
-            raise UserError(f"--objective {self.objective!r}: expected mlm or clm")
         if self.lr <= 0:
             raise UserError(f"--lr {self.lr}: must be positive")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
@@ -134,8 +182,6 @@ class TrainConfig:
             raise UserError(f"--wandb {self.wandb!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.attn not in ATTENTION:
             raise UserError(f"--attn {self.attn!r}: expected one of {', '.join(ATTENTION)}")
-        if self.data.resolve() == self.out.resolve():
-            raise UserError(f"--out {self.out}: is the dataset directory")
 
     @property
     def model_name(self) -> str:
@@ -152,29 +198,14 @@ class TrainConfig:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
 
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
 def _positive(name: str, value: int) -> None:
     if value < 1:
-        raise UserError(f"--{_flag(name)} {value}: must be at least 1")
+        raise UserError(f"{flag(name)} {value}: must be at least 1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `app train` flags; defaults and help come from TrainConfig."""
-    docs = _field_docs()
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
-
-    def add(name: str, **kw: Any) -> None:
-        default = defaults.get(name)
-        if default is not None and default is not MISSING and "default" not in kw:
-            kw["default"] = default
-        help_text = docs.get(name, "").replace("%", "%%")  # argparse formats help with %
-        if kw.get("default") not in (None, False) and "action" not in kw:
-            help_text += f" (default {kw['default']})"
-        parser.add_argument(f"--{_flag(name)}", dest=name, help=help_text, **kw)
-
+    add = config_flags(parser, TrainConfig)
     add("data", type=Path, required=True, metavar="DIR")
     add("out", type=Path, required=True, metavar="RUN_DIR")
     add("model", metavar="PRESET")
@@ -185,36 +216,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("precision", choices=("auto", "bf16", "fp16", "fp32"))
     for name in ("seq_len", "micro_batch", "grad_accum", "global_batch", "max_steps",
                  "max_tokens", "stop_at_step", "warmup_steps", "seed", "save_every", "keep_last",
-                 "eval_every", "eval_samples", "log_every", "num_workers"):
+                 "eval_every", "eval_samples", "log_every", "num_workers", "pad_vocab_to"):
         add(name, type=int, metavar="N")
     for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "dropout",
                  "mask_prob"):
-        add(name, type=float, metavar="F")
+        add(name, type=finite_float, metavar="F")
     add("lr_decay", choices=("cosine", "linear", "constant"))
     add("gradient_checkpointing", action="store_true")
+    add("compile", action="store_true")
+    add("tf32", action="store_true")
     add("attn", choices=ATTENTION)
     add("packing", choices=("concat", "doc"))
     add("resume", metavar="auto|never|PATH")
     add("overwrite", action="store_true")
+    add("save_errors", choices=("stop", "skip"))
+    add("on_anomaly", choices=("rollback", "skip", "stop"))
+    for name in ("spike_z", "spike_rise", "cooldown_factor", "hang_timeout"):
+        add(name, type=finite_float, metavar="F")
+    for name in ("spike_window", "max_rollbacks", "cooldown_steps"):
+        add(name, type=int, metavar="N")
     add("stage_to", type=Path, metavar="DIR")
+    add("dist_timeout", type=finite_float, metavar="MINUTES")
     add("wandb", choices=WANDB_MODES)
     add("wandb_project", metavar="NAME")
+    add("wandb_group", metavar="NAME")
+    add("wandb_tags", nargs="+", default=[], metavar="TAG")
+    add("run_name", metavar="NAME")
+    add("peak_tflops", type=finite_float, metavar="F")
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in
     # the environment says the same, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-
-
-def _field_docs() -> dict[str, str]:
-    """The docstring under each TrainConfig field, for --help (one source of truth)."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
-    body = tree.body[0].body
-    out = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            out[node.target.id] = nxt.value.value
-    return out

@@ -1,26 +1,15 @@
-"""Training and eval samples from a dataset directory's memory-mapped shards, and their loaders.
+"""Training and eval samples from a dataset directory, and the loaders that feed them.
 
-Layouts (`DataSpec.packing`):
-- "concat" (default; RoBERTa full-sentences for MLM, GPT style for CLM): the split's shards are
-  one logical token stream, documents back to back with their end-of-document tokens kept;
-  sample w is tokens [w*seq_len, (w+1)*seq_len) of it (a window may span two shards, so small
-  shards lose nothing), the tail < seq_len is dropped. attention_mask is all ones.
-- "doc" (the paper's layout): sample d is document d alone, truncated to seq_len and padded.
-  MLM: [CLS] first when the manifest has `cls_token_id` (unless the document already starts with
-  it), and a truncated document keeps its end-of-document token ([SEP]) last, BERT's layout.
-  CLM: plain truncation (a forced EOS would teach the model to stop mid-text).
-  attention_mask is 1 on the document's tokens, 0 on padding.
+A sample is made in three steps, each in its own module: the split's shards read as one token
+stream (app.stream), cut into samples by the packing (app.packing: "concat" windows across
+documents, or "doc", one document per sample), then, for MLM, masked (app.masking). Which sample a
+stream position reads is the order (app.order): a keyed permutation per epoch.
 
-Labels: MLM, see app.masking (-100 off the selected positions); CLM, labels = input_ids (Hugging
-Face causal LMs shift internally) with -100 on padding.
-
-Start-up reads only the shard headers: O(#shards), never O(#documents) or O(#tokens); a document
-is found through the shard's own memory-mapped .idx (Megatron's sizes/pointers/doc_idx).
+Labels: MLM, see app.masking (IGNORE_INDEX off the selected positions); CLM, labels = input_ids
+(Hugging Face causal LMs shift internally) with IGNORE_INDEX on padding.
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -29,14 +18,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from app.masking import EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, sample_rng
-from app.order import Permutation, check_batch_geometry, eval_positions, rank_positions
+from app import packing
+from app.device import usable_cores
+from app.masking import (EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots,
+                         sample_rng)
+from app.order import Permutation, check_batch_geometry, check_rank, eval_positions, \
+    rank_positions
+from app.stream import TokenStream
 from data_tools.errors import UserError
-from data_tools.indexed import FormatError, IndexedShard
-from data_tools.manifest import MANIFEST, TOKENIZER_DIR, load_manifest, shard_prefixes
+from data_tools.manifest import MANIFEST, load_manifest, special_ids
 
 OBJECTIVES = ("mlm", "clm")
-PACKINGS = ("concat", "doc")
 
 
 @dataclass(frozen=True)
@@ -63,28 +55,26 @@ class DataSpec:
         if self.objective not in OBJECTIVES:
             raise UserError(f"objective {self.objective!r}: expected one of "
                             f"{', '.join(OBJECTIVES)}")
-        if self.packing not in PACKINGS:
-            raise UserError(f"packing {self.packing!r}: expected one of {', '.join(PACKINGS)}")
+        if self.packing not in packing.PACKINGS:
+            raise UserError(f"packing {self.packing!r}: expected one of "
+                            f"{', '.join(packing.PACKINGS)}")
         if self.seq_len < 2:
             raise UserError(f"seq_len {self.seq_len}: must be at least 2")
         if not 0.0 < self.mask_prob < 1.0:
             raise UserError(f"mask_prob {self.mask_prob}: must be between 0 and 1 (exclusive)")
 
 
-def _special_ids(dataset_dir: Path, manifest: dict[str, Any]) -> set[int]:
-    """Ids MLM never selects or draws: the manifest's named ones and the tokenizer's specials."""
-    ids = {manifest.get(k) for k in ("eod_token_id", "pad_token_id", "mask_token_id",
-                                     "cls_token_id", "unk_token_id", "bos_token_id")}
-    ids.update(manifest.get("special_token_ids") or [])
-    tok_json = dataset_dir / manifest["tokenizer"].get("dir", TOKENIZER_DIR) / "tokenizer.json"
-    if tok_json.is_file():
-        try:
-            with open(tok_json) as f:
-                added = json.load(f).get("added_tokens") or []
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"{tok_json}: cannot read the tokenizer ({e})") from None
-        ids.update(t["id"] for t in added if t.get("special") and isinstance(t.get("id"), int))
-    return {int(i) for i in ids if isinstance(i, int)}
+def masker_for(spec: DataSpec, manifest: dict[str, Any]) -> Masker | None:
+    """The MLM masking of this dataset (None for CLM)."""
+    if spec.objective != "mlm":
+        return None
+    mask = manifest.get("mask_token_id")
+    if mask is None:
+        raise UserError(f"{spec.dataset_dir / MANIFEST}: key 'mask_token_id' is null: the "
+                        f"tokenizer has no mask token, so this dataset cannot train MLM (use "
+                        f"--objective clm)")
+    return Masker(mask_token_id=int(mask), vocab_size=int(manifest["vocab_size"]),
+                  special_ids=special_ids(spec.dataset_dir, manifest), mask_prob=spec.mask_prob)
 
 
 class TokenWindows(Dataset):
@@ -94,66 +84,31 @@ class TokenWindows(Dataset):
     MLM masks are keyed by (seed, p), so each epoch masks afresh (dynamic masking). With
     `eval_order=True` the order is the identity and masks are keyed by the sample index on a
     separate random stream, so every eval pass sees the same samples with the same masks.
-    Shards are memory-mapped lazily, in whichever process reads first (each loader worker).
     """
 
     def __init__(self, spec: DataSpec, manifest: dict | None = None, *, eval_order: bool = False):
         self.spec = spec
         self.eval_order = eval_order
-        self.manifest = manifest if manifest is not None else load_manifest(spec.dataset_dir)
-        where = f"{spec.dataset_dir / MANIFEST}"
-        if spec.split not in self.manifest["splits"]:
-            raise UserError(f"{where}: no split '{spec.split}' (has: "
-                            f"{', '.join(sorted(self.manifest['splits']))})")
-        self.vocab_size = int(self.manifest["vocab_size"])
-        self.eod_id = int(self.manifest["eod_token_id"])
-        pad = self.manifest.get("pad_token_id")
+        manifest = manifest if manifest is not None else load_manifest(spec.dataset_dir)
+        self.vocab_size = int(manifest["vocab_size"])
+        self.eod_id = int(manifest["eod_token_id"])
+        pad = manifest.get("pad_token_id")
         self.pad_id = int(pad) if pad is not None else self.eod_id  # padding is masked out anyway
-        cls = self.manifest.get("cls_token_id")
+        cls = manifest.get("cls_token_id")
         self.cls_id = int(cls) if cls is not None else None
-        self.masker = None
-        if spec.objective == "mlm":
-            mask = self.manifest.get("mask_token_id")
-            if mask is None:
-                raise UserError(f"{where}: key 'mask_token_id' is null: the tokenizer has no mask "
-                                f"token, so this dataset cannot train MLM (use --objective clm)")
-            self.masker = Masker(mask_token_id=int(mask), vocab_size=self.vocab_size,
-                                 special_ids=_special_ids(spec.dataset_dir, self.manifest),
-                                 mask_prob=spec.mask_prob)
-        self.shards = []
-        entries = self.manifest["splits"][spec.split]["shards"]
-        for entry, prefix in zip(entries, shard_prefixes(spec.dataset_dir, self.manifest,
-                                                         spec.split)):
-            try:
-                shard = IndexedShard(prefix)
-            except FormatError as e:
-                raise UserError(str(e)) from None
-            if shard.bin_bytes != entry["bin_bytes"]:  # O(1) guard; full check: inspect --verify
-                raise UserError(f"{prefix}.bin: {shard.bin_bytes} bytes, {where} says "
-                                f"{entry['bin_bytes']} (truncated or replaced; re-stage or "
-                                f"run `python -m data_tools inspect --verify`)")
-            self.shards.append(shard)
-        # O(#shards) bookkeeping from the headers only
-        tokens = np.array([s.num_tokens for s in self.shards], dtype=np.int64)
-        docs = np.array([max(s.num_doc_idx - 1, 0) for s in self.shards], dtype=np.int64)
-        self.token_starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
-        self.doc_starts = np.concatenate([[0], np.cumsum(docs)]).astype(np.int64)
-        self.num_tokens = int(self.token_starts[-1])
-        self.num_documents = int(self.doc_starts[-1])
-        if spec.packing == "concat":
-            self.num_samples = self.num_tokens // spec.seq_len
-        else:
-            self.num_samples = self.num_documents
-        if self.num_samples == 0:
-            raise UserError(f"{spec.dataset_dir}: split '{spec.split}' has {self.num_tokens} "
-                            f"tokens in {self.num_documents} documents: not one sample of seq_len "
-                            f"{spec.seq_len} with packing '{spec.packing}'")
+        self.masker = masker_for(spec, manifest)
+        self.stream = TokenStream(spec.dataset_dir, manifest, spec.split)
+        self.num_samples = packing.count_samples(
+            self.stream.num_tokens, self.stream.num_documents, spec.seq_len, spec.packing,
+            dataset_dir=spec.dataset_dir, split=spec.split)
         self._perm: Permutation | None = None
+
+    @property
+    def shards(self):
+        return self.stream.shards
 
     def __len__(self) -> int:
         return self.num_samples
-
-    # -- order ------------------------------------------------------------------------------
 
     def sample_index(self, position: int) -> int:
         """Which sample stream position `position` reads."""
@@ -164,47 +119,22 @@ class TokenWindows(Dataset):
             self._perm = Permutation(self.num_samples, self.spec.seed, epoch)
         return self._perm(offset)
 
-    # -- token access ---------------------------------------------------------------------------
-
-    def _read_tokens(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the split's logical stream, crossing shard ends if needed."""
-        pieces = []
-        s = int(np.searchsorted(self.token_starts, start, side="right")) - 1
-        while start < stop:
-            local = start - int(self.token_starts[s])
-            take = min(stop, int(self.token_starts[s + 1])) - start
-            if take > 0:
-                pieces.append(self.shards[s].tokens[local:local + take])
-                start += take
-            s += 1
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-
-    def _document(self, d: int, limit: int) -> tuple[np.ndarray, int]:
-        """The first `limit` tokens of document d, and the document's full length."""
-        s = int(np.searchsorted(self.doc_starts, d, side="right")) - 1
-        shard = self.shards[s]
-        local = d - int(self.doc_starts[s])
-        first, last = (int(v) for v in shard.doc_idx[local:local + 2])  # sequences of the doc
-        if last <= first:
-            return np.zeros(0, dtype=shard.dtype), 0
-        itemsize = shard.dtype.itemsize
-        start = int(shard.pointers[first]) // itemsize
-        end = int(shard.pointers[last - 1]) // itemsize + int(shard.sizes[last - 1])
-        return shard.tokens[start:min(end, start + limit)], end - start
-
-    # -- samples --------------------------------------------------------------------------------
-
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        """The sample at `position`; for a corrupt one (ids past the vocabulary) `{"error": ...}`,
+        which the loader raises as one line in the training process (app.data.BatchLayout)."""
         position = int(position)
         if position < 0:
             raise IndexError(f"stream position {position} is negative")
         index = self.sample_index(position)
         seq_len = self.spec.seq_len
         if self.spec.packing == "concat":
-            ids = self._read_tokens(index * seq_len, (index + 1) * seq_len).astype(np.int64)
-            length = seq_len
+            ids, length = packing.concat_sample(self.stream, index, seq_len)
         else:
-            ids, length = self._doc_sample(index)
+            ids, length = packing.doc_sample(self.stream, index, seq_len, pad_id=self.pad_id,
+                                             eod_id=self.eod_id, cls_id=self.cls_id,
+                                             bert_layout=self.masker is not None)
+        if ids.max(initial=0) >= self.vocab_size:  # one vectorised check: rot found in training
+            return {"error": self._corrupt(ids, index, position)}
         attention = np.zeros(seq_len, dtype=np.int64)
         attention[:length] = 1
         if self.masker is not None:
@@ -216,55 +146,59 @@ class TokenWindows(Dataset):
         return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(attention),
                 "labels": torch.from_numpy(labels)}
 
-    def _doc_sample(self, index: int) -> tuple[np.ndarray, int]:
-        """Document `index` laid out in seq_len tokens (see the module docstring); (ids, length)."""
-        seq_len = self.spec.seq_len
-        out = np.full(seq_len, self.pad_id, dtype=np.int64)
-        doc, full = self._document(index, seq_len)
-        if self.masker is None:  # CLM: truncate
-            out[:doc.size] = doc
-            return out, int(doc.size)
-        head = 0
-        if self.cls_id is not None and not (doc.size and int(doc[0]) == self.cls_id):
-            out[0] = self.cls_id
-            head = 1
-        body = doc[:seq_len - head]
-        out[head:head + body.size] = body
-        length = head + body.size
-        if full + head > seq_len:  # truncated: keep [SEP]/EOD last, as BERT does
-            out[length - 1] = self.eod_id
-        return out, length
 
-    def stats(self) -> dict[str, Any]:
-        """Figures to print at start-up (derived from headers only)."""
-        tokens_per_epoch = (self.num_samples * self.spec.seq_len if self.spec.packing == "concat"
-                            else None)
-        return {"split": self.spec.split, "objective": self.spec.objective,
-                "packing": self.spec.packing, "seq_len": self.spec.seq_len,
-                "shards": len(self.shards), "documents": self.num_documents,
-                "tokens": self.num_tokens, "num_samples": self.num_samples,
-                "sample_tokens_per_epoch": tokens_per_epoch,
-                "dropped_tail_tokens": (self.num_tokens - tokens_per_epoch
-                                        if tokens_per_epoch is not None else None),
-                "vocab_size": self.vocab_size}
+    def _corrupt(self, ids: np.ndarray, index: int, position: int) -> str:
+        at = int(np.argmax(ids >= self.vocab_size))
+        shard = (self.stream.shard_of_token(index * self.spec.seq_len + at)
+                 if self.spec.packing == "concat" else self.stream.shard_of_document(index))
+        return (f"{shard.prefix}.bin: token id {int(ids[at])} in sample {index} (stream position "
+                f"{position}) is not below the vocabulary size {self.vocab_size}: the shard is "
+                f"corrupt (run `python -m data_tools inspect --verify`, and stage it again)")
+
+
+def batch_samples(spec: DataSpec, global_batch_index: int, global_batch: int) -> list[int]:
+    """The sample ids a global batch reads (what skipped_batches.jsonl records)."""
+    windows = TokenWindows(spec)
+    start = global_batch_index * global_batch
+    return [windows.sample_index(p) for p in range(start, start + global_batch)]
 
 
 def dataset_stats(spec: DataSpec, manifest: dict | None = None) -> dict[str, Any]:
-    """num_samples, tokens and layout of a split, for start-up printing."""
-    return TokenWindows(spec, manifest).stats()
+    """num_samples and tokens of a split, for start-up printing: from dataset.json's counts,
+    without opening a shard (the loaders open them); UserError if the split has no sample."""
+    manifest = manifest if manifest is not None else load_manifest(spec.dataset_dir)
+    split = manifest["splits"].get(spec.split)
+    if split is None or split.get("tokens") is None or split.get("documents") is None:
+        stream = TokenStream(spec.dataset_dir, manifest, spec.split)  # counts from the headers
+        tokens, documents = stream.num_tokens, stream.num_documents
+    else:
+        tokens, documents = split["tokens"], split["documents"]
+    n = packing.count_samples(tokens, documents, spec.seq_len, spec.packing,
+                              dataset_dir=spec.dataset_dir, split=spec.split)
+    per_epoch = n * spec.seq_len if spec.packing == "concat" else None
+    return {"split": spec.split, "objective": spec.objective, "packing": spec.packing,
+            "seq_len": spec.seq_len, "shards": len(manifest["splits"][spec.split]["shards"]),
+            "documents": documents, "tokens": tokens, "num_samples": n,
+            "sample_tokens_per_epoch": per_epoch,
+            "dropped_tail_tokens": tokens - per_epoch if per_epoch is not None else None,
+            "vocab_size": int(manifest["vocab_size"])}
 
 
 class StreamSampler(Sampler[int]):
-    """This rank's stream positions from `consumed_samples` on, forever, in O(1) memory."""
+    """This rank's stream positions from `consumed_samples` on, forever, in O(1) memory, without
+    the global batches in `skip`."""
 
-    def __init__(self, consumed_samples: int, global_batch: int, dp_rank: int, dp_size: int):
+    def __init__(self, consumed_samples: int, global_batch: int, dp_rank: int, dp_size: int,
+                 skip: frozenset[int] = frozenset()):
         self.consumed_samples = consumed_samples
         self.global_batch = global_batch
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.skip = skip
 
     def __iter__(self) -> Iterator[int]:
-        return rank_positions(self.consumed_samples, self.global_batch, self.dp_rank, self.dp_size)
+        return rank_positions(self.consumed_samples, self.global_batch, self.dp_rank,
+                              self.dp_size, self.skip)
 
 
 def default_num_workers(local_world_size: int = 1) -> int:
@@ -273,51 +207,93 @@ def default_num_workers(local_world_size: int = 1) -> int:
     A sample costs ~0.15 ms to build but a worker's batch ~1 ms to hand over, so workers help
     only with idle cores and big batches; two cover a GPU step (docs/benchmarks.md, "loader").
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(0, min(2, (cores or 1) // max(1, local_world_size) - 1))
+    return max(0, min(2, usable_cores() // max(1, local_world_size) - 1))
 
 
-SAMPLE_KEYS = ("input_ids", "attention_mask", "labels")
+@dataclass(frozen=True)
+class BatchLayout:
+    """What a micro batch hands to the model: arrays of a fixed width per sample.
 
-
-def _pack(samples: list[dict[str, torch.Tensor]]) -> np.ndarray:
-    """Collate a micro batch into one int32 [3, batch, seq_len] array.
-
-    A worker hands over one small numpy array, pickled through the worker's pipe: ~1 ms on CPU,
-    where a tensor (a shared-memory file and a passed descriptor per storage) took ~2-3 ms
-    (docs/benchmarks.md, "loader"). Ids and labels (-100) fit in int32.
+    MLM: `input_ids`, `mlm_positions` and `mlm_labels` (the masked positions and their original
+    tokens, padded to a fixed count with position 0 and IGNORE_INDEX): the model gathers those
+    positions with static shapes, where indexing by a boolean mask would sync the host every
+    step. CLM: `input_ids` and `labels`. `attention_mask` only with "doc" packing: in "concat"
+    every token is attended to, and an all-ones mask costs the model a host sync to find out.
     """
-    return np.stack([np.stack([s[k].numpy() for s in samples]) for k in SAMPLE_KEYS]
-                    ).astype(np.int32, copy=False)
 
+    keys: tuple[str, ...]
+    widths: tuple[int, ...]
 
-def _pack_pinned(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """As `_pack`, as an int64 tensor: DataLoader's pinning thread pins it off the training
-    thread, and nothing converts it afterwards (a conversion would lose the pinning)."""
-    return torch.stack([torch.stack([s[k] for s in samples]) for k in SAMPLE_KEYS])
+    @classmethod
+    def of(cls, spec: DataSpec) -> "BatchLayout":
+        seq, slots = spec.seq_len, mlm_slots(spec.seq_len, spec.mask_prob)
+        keys, widths = ((("input_ids", "mlm_positions", "mlm_labels"), (seq, slots, slots))
+                        if spec.objective == "mlm" else (("input_ids", "labels"), (seq, seq)))
+        if spec.packing == "doc":
+            keys, widths = keys + ("attention_mask",), widths + (seq,)
+        return cls(keys, widths)
+
+    def arrays(self, sample: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """One sample (TokenWindows' full-length dict) in this layout."""
+        out = {k: sample[k].numpy() for k in ("input_ids", "labels", "attention_mask")}
+        if "mlm_positions" in self.keys:
+            labels = out.pop("labels")
+            chosen = np.flatnonzero(labels != IGNORE_INDEX)
+            slots = self.widths[self.keys.index("mlm_positions")]
+            out["mlm_positions"] = np.zeros(slots, dtype=np.int64)
+            out["mlm_positions"][:chosen.size] = chosen
+            out["mlm_labels"] = np.full(slots, IGNORE_INDEX, dtype=np.int64)
+            out["mlm_labels"][:chosen.size] = labels[chosen]
+        return out
+
+    def pack(self, samples: list[dict[str, torch.Tensor]]) -> np.ndarray | str:
+        """Collate a micro batch into one flat int32 array: each key's [batch, width] block in
+        turn. A worker hands over one small numpy array, pickled through its pipe: ~1 ms on CPU,
+        where a tensor (a shared-memory file and a descriptor per storage) took ~2-3 ms
+        (docs/benchmarks.md, "loader"). Ids, positions and labels (-100) fit in int32. A corrupt
+        sample makes the batch its error message instead (raised by `unpack`, in the training
+        process: an exception raised in a worker would arrive wrapped in its traceback)."""
+        errors = [s["error"] for s in samples if "error" in s]
+        if errors:
+            return errors[0]
+        rows = [self.arrays(s) for s in samples]
+        return np.concatenate([np.stack([r[k] for r in rows]).ravel() for k in self.keys]
+                              ).astype(np.int32, copy=False)
+
+    def pack_pinned(self, samples: list[dict[str, torch.Tensor]]) -> torch.Tensor | str:
+        """As `pack`, as an int64 tensor: DataLoader's pinning thread pins it off the training
+        thread, and nothing converts it afterwards (a conversion would lose the pinning)."""
+        packed = self.pack(samples)
+        return packed if isinstance(packed, str) else torch.from_numpy(packed.astype(np.int64))
+
+    def unpack(self, packed: np.ndarray | torch.Tensor | str) -> dict[str, torch.Tensor]:
+        """The micro batch as int64 tensors: contiguous views of the packed one (pinning kept)."""
+        if isinstance(packed, str):
+            raise UserError(packed)
+        if isinstance(packed, np.ndarray):
+            packed = torch.from_numpy(packed).to(torch.int64)  # as embeddings and losses expect
+        batch = packed.numel() // sum(self.widths)
+        out, offset = {}, 0
+        for key, width in zip(self.keys, self.widths):
+            out[key] = packed[offset:offset + batch * width].view(batch, width)
+            offset += batch * width
+        return out
 
 
 class MicroBatches:
     """Iterable of micro-batch dicts (int64 tensors) over a DataLoader of packed batches."""
 
-    def __init__(self, loader: DataLoader):
-        self.loader = loader
+    def __init__(self, loader: DataLoader, layout: BatchLayout):
+        self.loader, self.layout = loader, layout
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         packed = iter(self.loader)  # now, not at the first next(): workers start here
-        return (_unpack(p) for p in packed)
+        return (self.layout.unpack(p) for p in packed)
 
 
-def _unpack(packed: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
-    if isinstance(packed, np.ndarray):
-        packed = torch.from_numpy(packed).to(torch.int64)  # as embeddings and losses expect
-    return dict(zip(SAMPLE_KEYS, packed.unbind(0)))  # views: pinning kept
-
-
-def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_workers: int,
+def _loader(dataset: TokenWindows, sampler: Iterable[int], micro_batch: int, num_workers: int,
             pin_memory: bool, prefetch_factor: int) -> MicroBatches:
-    if num_workers < 0:
-        raise UserError(f"--num-workers {num_workers}: must be 0 or more")
+    layout = BatchLayout.of(dataset.spec)
     extra = {}
     if num_workers > 0:
         extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor}
@@ -326,15 +302,16 @@ def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_work
     generator = torch.Generator().manual_seed(0)
     return MicroBatches(DataLoader(dataset, batch_size=micro_batch, sampler=sampler,
                                    num_workers=num_workers,
-                                   collate_fn=_pack_pinned if pin_memory else _pack,
+                                   collate_fn=layout.pack_pinned if pin_memory else layout.pack,
                                    pin_memory=pin_memory, drop_last=False, generator=generator,
-                                   **extra))
+                                   **extra), layout)
 
 
 def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, dp_rank: int,
                        dp_size: int, consumed_samples: int, num_workers: int,
                        pin_memory: bool = False, prefetch_factor: int = 4,
-                       manifest: dict | None = None) -> MicroBatches:
+                       manifest: dict | None = None,
+                       skip: frozenset[int] = frozenset()) -> MicroBatches:
     """Infinite iterator of this rank's micro batches, starting at global sample `consumed_samples`.
 
     Global batch g = stream positions [g*GBS, (g+1)*GBS); rank r takes the contiguous slice
@@ -342,10 +319,9 @@ def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, d
     boundary is crossed inside a batch like any other position.
     """
     check_batch_geometry(global_batch, micro_batch, dp_size, consumed_samples)
+    check_rank(dp_rank, dp_size)
     dataset = TokenWindows(spec, manifest)
-    if not 0 <= dp_rank < dp_size:
-        raise UserError(f"data-parallel rank {dp_rank} outside [0, {dp_size})")
-    sampler = StreamSampler(consumed_samples, global_batch, dp_rank, dp_size)
+    sampler = StreamSampler(consumed_samples, global_batch, dp_rank, dp_size, skip)
     return _loader(dataset, sampler, micro_batch, num_workers, pin_memory, prefetch_factor)
 
 
@@ -354,30 +330,31 @@ def build_eval_loader(spec: DataSpec, *, micro_batch: int, dp_rank: int, dp_size
                       prefetch_factor: int = 4, manifest: dict | None = None) -> MicroBatches:
     """One deterministic pass over (up to `max_samples` of) the split, same masks every time.
 
-    Samples in stored order (identity; the val split is already a sample of the corpus); every
-    rank gets the same number of micro batches, the last ones wrapping to the split's start, so
-    a few samples may count twice when the sample count does not divide evenly.
+    Samples in stored order (identity; the val split is already a sample of the corpus). Every
+    rank gets the same number of micro batches (collectives in eval never wait on a rank that ran
+    out); where the sample count does not divide, the last ones are filler without labels, so
+    every validation sample is counted exactly once.
     """
     check_batch_geometry(micro_batch * dp_size, micro_batch, dp_size)
-    if not 0 <= dp_rank < dp_size:
-        raise UserError(f"data-parallel rank {dp_rank} outside [0, {dp_size})")
+    check_rank(dp_rank, dp_size)
     if max_samples is not None and max_samples < 1:
         raise UserError(f"eval max_samples {max_samples}: must be at least 1")
     dataset = TokenWindows(spec, manifest, eval_order=True)
     total = dataset.num_samples if max_samples is None else min(max_samples, dataset.num_samples)
     positions = eval_positions(total, micro_batch, dp_rank, dp_size)
-    return _loader(dataset, _Wrapped(positions, total), micro_batch, num_workers, pin_memory,
+    return _loader(EvalPass(dataset, total), positions, micro_batch, num_workers, pin_memory,
                    prefetch_factor)
 
 
-class _Wrapped:
-    """positions modulo `total`, lazily (an eval pass over a huge split needs no list)."""
+class EvalPass(Dataset):
+    """Positions of an eval pass over the first `total` samples: those past the end read a sample
+    again (the shapes stay equal) with every label ignored, so no sample counts twice."""
 
-    def __init__(self, positions: range, total: int):
-        self.positions, self.total = positions, total
+    def __init__(self, samples: TokenWindows, total: int):
+        self.samples, self.total, self.spec = samples, total, samples.spec
 
-    def __iter__(self) -> Iterator[int]:
-        return (p % self.total for p in self.positions)
-
-    def __len__(self) -> int:
-        return len(self.positions)
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        sample = self.samples[int(position) % self.total]
+        if position >= self.total:
+            sample["labels"] = torch.full_like(sample["labels"], IGNORE_INDEX)
+        return sample

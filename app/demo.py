@@ -20,7 +20,9 @@ from data_tools.errors import UserError
 REPO = Path(__file__).resolve().parent.parent
 # Standard-library parts left out: tests, third-party packages, GUI toolkits, vendored copies.
 _SKIP = {"test", "tests", "site-packages", "dist-packages", "idlelib", "tkinter", "turtledemo",
-         "lib2to3", "ensurepip", "config-3.11-x86_64-linux-gnu", "__pycache__", "pydoc_data"}
+         "lib2to3", "ensurepip", "__pycache__", "pydoc_data",
+         # the build configuration directory (config-3.11-x86_64-linux-gnu on Debian, ...)
+         Path(sysconfig.get_config_var("LIBPL") or "config").name}
 
 
 def add_arguments(p) -> None:

@@ -6,9 +6,13 @@ memory figures, CPU threads) is answered here, so no other module mentions "cpu"
 from __future__ import annotations
 
 import os
+import random
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from data_tools.errors import UserError
@@ -16,8 +20,8 @@ from data_tools.errors import UserError
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 
 
-def _accelerator():
-    # Imported lazily: DeepSpeed's accelerator probe takes a moment and logs a line.
+def accelerator():
+    """DeepSpeed's accelerator object (imported lazily: its probe takes a moment and logs)."""
     from deepspeed.accelerator import get_accelerator
     return get_accelerator()
 
@@ -34,10 +38,23 @@ class Device:
     """Whether the data loader should pin host memory (only useful with a separate device)."""
     bf16_supported: bool
     fp16_supported: bool
+    model: str | None = None
+    """The device as its driver names it ("NVIDIA H100 80GB HBM3"); None on CPU."""
 
     @property
     def is_cpu(self) -> bool:
         return self.name == "cpu"
+
+    @property
+    def torch_adam(self) -> bool:
+        """Whether DeepSpeed's Adam should be torch's rather than its compiled op.
+
+        On CPU the compiled op keeps beta**step as a running product in C++ state, which a
+        resumed process recomputes with pow: the same weights and moments then step to values a
+        last bit apart. torch's AdamW takes the power from the step stored in the checkpoint, so
+        resume stays bit-exact. The CUDA kernel recomputes the power every step already.
+        """
+        return self.is_cpu
 
     def torch_device(self, local_rank: int = 0) -> torch.device:
         return torch.device(self.name if self.is_cpu else f"{self.name}:{local_rank}")
@@ -47,11 +64,22 @@ class Device:
 
 
 def detect() -> Device:
-    acc = _accelerator()
+    acc = accelerator()
     name = acc.device_name()
     return Device(name=name, backend=acc.communication_backend_name(), pin_memory=name != "cpu",
                   bf16_supported=bool(acc.is_bf16_supported()),
-                  fp16_supported=bool(acc.is_fp16_supported()))
+                  fp16_supported=bool(acc.is_fp16_supported()), model=_model_name(name))
+
+
+def _model_name(name: str) -> str | None:
+    """torch.cuda.get_device_name() and its kin for other accelerators (None on CPU)."""
+    get = getattr(getattr(torch, name, None), "get_device_name", None)
+    if name == "cpu" or get is None:
+        return None
+    try:
+        return str(get())
+    except (RuntimeError, AssertionError):
+        return None
 
 
 def resolve_precision(requested: str, device: Device) -> str:
@@ -70,32 +98,75 @@ def resolve_precision(requested: str, device: Device) -> str:
     return requested
 
 
-def attention_implementation(requested: str, device: Device, precision: str = "bf16") -> str:
-    """"auto" = flash_attention_2 when its package is installed on a GPU and the run is in
-    bf16/fp16 (its kernels take nothing else), else PyTorch SDPA."""
+def attention_implementation(requested: str, device: Device, precision: str = "bf16",
+                             packing: str = "concat") -> str:
+    """"auto" = flash_attention_2 when transformers finds a version of it it supports, on a GPU,
+    in bf16/fp16 (its kernels take nothing else), with "concat" packing (padded batches make
+    transformers unpad them with a host sync per layer); else PyTorch SDPA."""
     if requested != "auto":
         return requested
-    if not device.is_cpu and precision in ("bf16", "fp16"):
-        try:
-            import flash_attn  # noqa: F401
+    if not device.is_cpu and precision in ("bf16", "fp16") and packing == "concat":
+        from transformers.utils import is_flash_attn_2_available
+        if is_flash_attn_2_available():
             return "flash_attention_2"
-        except ImportError:
-            pass
     return "sdpa"
 
 
 def set_cpu_threads(device: Device, env: Mapping[str, str] = os.environ) -> int | None:
-    """Share the cores among the ranks of a CPU node (torch takes them all per process otherwise).
+    """Share the node's cores among its ranks, on every kind of device: torch takes them all per
+    process otherwise (8 ranks x all cores under CPU-offloaded Adam or the loader's numpy).
 
     Respects OMP_NUM_THREADS when the user or launcher set it; returns the thread count chosen.
     """
-    if not device.is_cpu or env.get("OMP_NUM_THREADS"):
+    if env.get("OMP_NUM_THREADS"):
         return None
     local = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // max(local, 1))
+    threads = max(1, usable_cores() // max(local, 1))
     torch.set_num_threads(threads)
     return threads
+
+
+def enable_tf32(device: Device, precision: str, requested: bool) -> None:
+    """--tf32: fp32 matrix products and convolutions on TF32 tensor cores (CUDA only)."""
+    if requested and precision == "fp32" and device.name == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a Slurm allocation)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
+def synchronize() -> None:
+    """Wait for the accelerator's queued work (a no-op on CPU): before reading a clock that is to
+    time it. A host sync: call it at log, eval and save boundaries only."""
+    accelerator().synchronize()
+
+
+def bind(device: Device, local_rank: int) -> None:
+    """Make this rank's accelerator the current one, before any collective: NCCL puts a
+    collective's tensors on the current device, which is otherwise device 0 on every rank."""
+    if not device.is_cpu:
+        accelerator().set_device(local_rank)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator this rank draws from (dropout, and anything seeded globally)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if accelerator().device_name() != "cpu":
+        state["accelerator"] = accelerator().get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "accelerator" in state:
+        accelerator().set_rng_state(state["accelerator"])
 
 
 def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -103,16 +174,49 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[s
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def memory_gb() -> tuple[float, float]:
-    """(current, peak) memory of this rank in GiB: accelerator memory, or process RSS on CPU."""
-    acc = _accelerator()
+def memory_gb() -> tuple[float, float, float]:
+    """(in use, reserved, peak) memory of this rank in GiB: the accelerator's allocator counters
+    (allocated, reserved by the caching allocator, peak allocated), or on CPU the process's
+    resident set (current, current, peak)."""
+    acc = accelerator()
     if acc.device_name() == "cpu":
         try:
             import resource
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
             with open("/proc/self/statm") as f:
                 current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-            return current, peak
+            return current, current, max(peak, current)  # the peak read a moment earlier
         except (OSError, ValueError, ImportError):
-            return 0.0, 0.0
-    return acc.memory_allocated() / 2**30, acc.max_memory_allocated() / 2**30
+            return 0.0, 0.0, 0.0
+    return (acc.memory_allocated() / 2**30, acc.memory_reserved() / 2**30,
+            acc.max_memory_allocated() / 2**30)
+
+
+class ComputeClock:
+    """Sums the device time of code spans without a host sync per span: accelerator events
+    recorded around each span and read at `take()` (after the window's one synchronize); on CPU,
+    where work is synchronous, the host clock."""
+
+    def __init__(self, device: Device):
+        self._event = None if device.is_cpu else accelerator().Event
+        self._pairs: list = []
+        self._seconds = 0.0
+
+    @contextmanager
+    def span(self) -> Iterator[None]:
+        if self._event is None:
+            t0 = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - t0
+            return
+        start, end = self._event(enable_timing=True), self._event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._pairs.append((start, end))
+
+    def take(self) -> float:
+        """Seconds measured since the last take (call after synchronize)."""
+        seconds = self._seconds + sum(a.elapsed_time(b) for a, b in self._pairs) / 1000.0
+        self._pairs, self._seconds = [], 0.0
+        return seconds

@@ -1,20 +1,24 @@
 """The DeepSpeed engine: its JSON config, process group, `initialize`, and cross-rank reductions.
 
-One of the two modules that import DeepSpeed. The ds_config owns ZeRO stage, precision and
-clipping; the app fills the "auto" fields from its flags and reads batch sizes back from the engine.
+DeepSpeed is imported here, in app.checkpoint (its checkpoints) and in app.device (its accelerator
+probe, the one place that asks about the hardware); the rest of the app sees an `nn.Module`. The
+ds_config owns ZeRO stage, precision and clipping; the app fills the "auto" fields from its flags
+and reads batch sizes back from the engine.
 """
 from __future__ import annotations
 
 import copy
+import fcntl
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from app.device import Device, resolve_precision
+from app.device import Device, bind, resolve_precision
 from data_tools.errors import UserError
 from data_tools.manifest import read_json
 
@@ -112,11 +116,22 @@ def settle_precision(ds: dict[str, Any], requested: str, device: Device, where: 
     return resolved
 
 
+# DeepSpeed-scale sizes for the "auto" ZeRO knobs (elements), not Hugging Face's hidden^2 (1.2 M
+# at width 768: hundreds of latency-bound collectives a step on 128 GPUs). 5e7 is DeepSpeed's own
+# stage-3 prefetch default and a tenth of its reduce-bucket default: few collectives, each large
+# enough to run at full bandwidth, with a bucket of 200 MB in fp32.
+ZERO_SIZES = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
+              "stage3_prefetch_bucket_size": 50_000_000,
+              "stage3_param_persistence_threshold": 100_000}
+
+
 def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_size: int,
               precision: str, lr: float, betas: tuple[float, float], eps: float,
-              weight_decay: float, hidden_size: int, pin_memory: bool,
-              where: Path) -> dict[str, Any]:
-    """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill."""
+              weight_decay: float, pin_memory: bool, where: Path,
+              torch_adam: bool = False) -> dict[str, Any]:
+    """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill.
+    `torch_adam` (Device.torch_adam) picks torch's AdamW over DeepSpeed's compiled one unless the
+    config says which, or offloads the optimizer (DeepSpeed's CPU Adam then)."""
     ds = copy.deepcopy(ds)
     batch = {"train_micro_batch_size_per_gpu": micro_batch,
              "gradient_accumulation_steps": grad_accum,
@@ -129,29 +144,16 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
                             f"(set it to \"auto\" or drop the flag)")
     if ds.get("gradient_clipping") == "auto":
         ds["gradient_clipping"] = 1.0
-    opt = ds.get("optimizer")
-    if isinstance(opt, dict):
-        params = opt.setdefault("params", {})
-        for key, value in (("lr", lr), ("betas", list(betas)), ("eps", eps),
-                           ("weight_decay", weight_decay)):
-            if params.get(key, "auto") == "auto":
-                params[key] = value
-    if opt is None:
-        # no optimizer block (common in HF-style configs): DeepSpeed would build none
-        ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(betas),
-                                                       "eps": eps, "weight_decay": weight_decay}}
-    for name in ("bf16", "fp16"):
-        section = ds.get(name)
-        if isinstance(section, dict) and section.get("enabled") == "auto":
-            section["enabled"] = precision == name
-    if precision in ("bf16", "fp16") and not isinstance(ds.get(precision), dict):
-        ds[precision] = {"enabled": True}  # a file without the section runs what we report
+    _fill_optimizer(ds, {"lr": lr, "betas": list(betas), "eps": eps,
+                         "weight_decay": weight_decay})
+    _fill_precision(ds, precision)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
-    # HF's choices for the size-dependent ZeRO-3 knobs: a few layers' worth of elements.
-    sized = {"reduce_bucket_size": hidden_size * hidden_size,
-             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-             "stage3_param_persistence_threshold": 10 * hidden_size}
-    for key, value in sized.items():
+    opt = ds["optimizer"]
+    offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    if (torch_adam and isinstance(opt, dict) and not offloaded
+            and str(opt.get("type", "")).lower() in ("adam", "adamw")):
+        opt["params"].setdefault("torch_adam", True)
+    for key, value in ZERO_SIZES.items():
         if zero.get(key) == "auto":
             zero[key] = value
     for key in ("offload_optimizer", "offload_param"):
@@ -161,6 +163,105 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     if left:
         raise UserError(f"{where}: key '{left[0]}' is \"auto\" and the app does not fill it")
     return ds
+
+
+def _fill_optimizer(ds: dict[str, Any], settings: dict[str, Any]) -> None:
+    opt = ds.get("optimizer")
+    if opt is None:  # no optimizer block (common in HF-style configs): DeepSpeed would build none
+        ds["optimizer"] = {"type": "AdamW", "params": dict(settings)}
+    elif isinstance(opt, dict):
+        params = opt.setdefault("params", {})
+        for key, value in settings.items():
+            if params.get(key, "auto") == "auto":
+                params[key] = value
+
+
+def _fill_precision(ds: dict[str, Any], precision: str) -> None:
+    """Enable the run's precision; bf16 accumulates gradients in fp32 where DeepSpeed allows it
+    (ZeRO 1-3; at ZeRO-0 it refuses the mix and accumulates and all-reduces them in bf16)."""
+    for name in ("bf16", "fp16"):
+        section = ds.get(name)
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            section["enabled"] = precision == name
+    if precision in ("bf16", "fp16") and not isinstance(ds.get(precision), dict):
+        ds[precision] = {"enabled": True}  # a file without the section runs what we report
+    if precision == "bf16" and zero_stage(ds) >= 1 and "data_types" not in ds:
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+
+
+class _ReadKeys(dict):
+    """A dict that notes which keys were looked up: DeepSpeed reads its top-level keys with
+    .get and ignores the rest, so a key it never looked up is one it does not know."""
+
+    def __init__(self, data: dict[str, Any]):
+        super().__init__(data)
+        self.read: set[str] = set()
+
+    def get(self, key, *default):
+        self.read.add(key)
+        return super().get(key, *default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def _pydantic_key(ds: dict[str, Any], error) -> str:
+    """'zero_optimization.bogus_key' from a DeepSpeed section model's validation error."""
+    loc = ".".join(str(p) for p in error["loc"])
+    first = str(error["loc"][0]) if error["loc"] else ""
+    for key, section in ds.items():
+        if isinstance(section, dict) and first in section:
+            return f"{key}.{loc}"
+    return loc
+
+
+def validate_ds_config(ds: dict[str, Any], where: Path) -> list[str]:
+    """Check a filled config through DeepSpeed's own config model, before any process group.
+
+    What DeepSpeed refuses becomes one UserError naming the key; returns warnings for top-level
+    keys DeepSpeed does not know (it ignores them silently: usually a typo).
+    """
+    import difflib
+    import logging
+
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+    from deepspeed.utils import logger
+    from pydantic import ValidationError
+
+    probe = _ReadKeys(copy.deepcopy(ds))
+    # DeepSpeed checks the batch sizes against the current world, which is one rank here
+    probe["train_batch_size"] = (probe["train_micro_batch_size_per_gpu"]
+                                 * probe["gradient_accumulation_steps"])
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # its config parsing logs at info on every rank
+    try:
+        DeepSpeedConfig(probe)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise UserError(f"{where}: key '{_pydantic_key(ds, err)}': {err['msg']} (DeepSpeed's "
+                        f"config check)") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{where}: DeepSpeed refuses this config: {e}") from None
+    finally:
+        logger.setLevel(level)
+    opt = ds.get("optimizer", {}).get("type", "")
+    if opt.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, opt):
+        raise UserError(f"{where}: key 'optimizer.type' is {opt!r}: neither a DeepSpeed optimizer "
+                        f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor one of torch.optim")
+    clip = ds.get("gradient_clipping", 0.0)
+    if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
+        raise UserError(f"{where}: key 'gradient_clipping' is {clip!r}: expected a number >= 0")
+    warnings = []
+    for key in sorted(set(ds) - probe.read):
+        close = difflib.get_close_matches(key, sorted(probe.read), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        warnings.append(f"{where}: key '{key}' is not a DeepSpeed setting and is ignored{hint}")
+    return warnings
 
 
 def _auto_paths(node: Any, prefix: str = "") -> list[str]:
@@ -179,35 +280,110 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: Device) -> World:
-    """Join the process group; a bare `python -m app train` becomes a world of one."""
+def init_distributed(device: Device, timeout_minutes: float = 30.0) -> World:
+    """Join the process group; a bare `python -m app train` becomes a world of one. A collective
+    that waits longer than `timeout_minutes` for a rank fails the job (DeepSpeed's default: 10)."""
+    from datetime import timedelta
+
     import deepspeed
 
-    adopt_launcher_env()
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
-    if not device.is_cpu:
-        # bind this rank to its accelerator before any collective: NCCL puts a collective's
-        # tensors on the current device, which is otherwise device 0 on every rank of a node
-        from deepspeed.accelerator import get_accelerator
-        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False)
+    bind(device, int(os.environ.get("LOCAL_RANK", 0)))
+    load_op("ShareMemCommBuilder")
+    deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False,
+                               timeout=timedelta(minutes=timeout_minutes))
     return world_from_env()
 
 
+def _optimizer_op(ds_config: dict[str, Any]) -> str | None:
+    """The op builder DeepSpeed's Adam from the config loads (offloaded: CPU Adam; else fused)."""
+    opt = ds_config.get("optimizer") or {}
+    if str(opt.get("type", "")).lower() not in ("adam", "adamw"):
+        return None
+    if (opt.get("params") or {}).get("torch_adam"):
+        return None
+    offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {})
+    return "CPUAdamBuilder" if offload.get("device") in ("cpu", "nvme") else "FusedAdamBuilder"
+
+
+def load_op(builder_name: str) -> None:
+    """Load one of DeepSpeed's ops before DeepSpeed asks for it, one process of a node at a time,
+    clearing the build lock a killed process left behind.
+
+    torch marks a JIT build with a bare `lock` file in the op's build directory and every other
+    process waits while it exists; a process killed while holding it (SIGKILL, a preempted node,
+    a CI timeout) leaves it, and every later start waits for ever. Ours take an flock beside it
+    for the whole load, so a `lock` found while holding the flock was left by a dead process.
+    DeepSpeed caches loaded ops, so its own load later is a dictionary lookup.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    from deepspeed.git_version_info import installed_ops
+    if installed_ops.get(builder.NAME, False):
+        builder.load(verbose=False)  # prebuilt into the wheel: an import, no build lock
+        return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(builder.NAME, verbose=False))
+    with open(build_dir.parent / f".{builder.NAME}.app-lock", "a+") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: leave torch's own lock alone
+            builder.load(verbose=False)
+            return
+        stale = build_dir / "lock"
+        if stale.exists():
+            print(f"warning: removing {stale}, a build lock left by a process killed while "
+                  f"building DeepSpeed's {builder.NAME} op", file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        builder.load(verbose=False)
+
+
+def shutdown() -> None:
+    """Leave the process group (NCCL warns about, and may hang on, groups never destroyed)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
-               lr_lambda: Callable[[int], float]):
-    """`deepspeed.initialize` with the optimizer from the config and our LR schedule on it."""
+               lr_lambda: Callable[[int], float], param_groups: list[dict[str, Any]]):
+    """`deepspeed.initialize` with the optimizer from the config (over `param_groups`) and our
+    LR schedule on it."""
     import deepspeed
 
     def scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    op = _optimizer_op(ds_config)
+    if op:
+        load_op(op)
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                            config=ds_config, lr_scheduler=scheduler)
     return engine
+
+
+def apply_lr_schedule(engine) -> None:
+    """Set every parameter group's LR from the schedule at its current step (after a rollback
+    changed the schedule: the cool-down applies from the very next step)."""
+    sched = engine.lr_scheduler
+    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * fn(sched.last_epoch)
+
+
+def engine_facts(engine) -> dict[str, Any]:
+    """What DeepSpeed built from the config (recorded in config.json): the optimizer wrapper and
+    the dtypes of the weights and of gradient accumulation."""
+    model_dtype, grad_dtype = engine.get_data_types()
+    return {"optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
+            "grad_accum_dtype": str(grad_dtype), "zero_stage": engine.zero_optimization_stage()}
 
 
 def grad_norm_before_step(engine) -> torch.Tensor | None:
@@ -243,6 +419,16 @@ def _several_ranks() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
+def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (the same length on each), in rank order: one small all-gather."""
+    row = torch.tensor(values, dtype=torch.float64, device=device)
+    if not _several_ranks():
+        return [row.tolist()]
+    rows = [torch.empty_like(row) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(rows, row)
+    return [r.tolist() for r in rows]
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place."""
     if _several_ranks():
@@ -250,10 +436,25 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    if _several_ranks():
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return tensor
+def lost_peer(error: BaseException) -> bool:
+    """Whether a collective failed because another rank went away (it died or was stopped)."""
+    text = str(error)
+    return isinstance(error, getattr(torch.distributed, "DistError", ())) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                            "NCCL communicator was aborted", "Broken pipe"))
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any (a collective: every rank must call it)."""
+    if not _several_ranks():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def all_gather_object(obj: Any) -> list[Any]:

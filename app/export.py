@@ -1,31 +1,26 @@
 """`python -m app export RUN_DIR --out DIR`: a run's weights, config and tokenizer in Hugging Face
 format (safetensors), loadable with `AutoModelForMaskedLM/CausalLM.from_pretrained(DIR)`.
 
-Weights come from the checkpoint as fp32: ZeRO 1-3 partitions are consolidated by DeepSpeed's own
-zero_to_fp32; ZeRO-0 checkpoints hold the whole module. The export is written to a temporary
-directory and renamed into place, so DIR is either complete or absent. When the run left its
-reference logits (RUN_DIR/reference.pt) for the same step, the exported model is checked against
-them.
+Weights come from the checkpoint as fp32 (app.checkpoint.consolidated_state_dict). The export is
+written to a temporary directory and renamed into place, so DIR is either complete or absent. When
+the run left its reference logits for the same step (app.reference), the exported model is
+checked against them before it is put in place.
 """
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from app import checkpoint
+from app import checkpoint, reference, rundir
 from app.model import build_model, config_from_dict
-from app.trainer import REFERENCE
+from data_tools import output
 from data_tools.errors import UserError
-from data_tools.manifest import TOKENIZER_DIR, read_json
 
-RUN_CONFIG = "config.json"
-LOGITS_TOLERANCE = 1e-4
+KIND, COMMAND = "model export", "app export"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,62 +34,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir, out = args.run_dir, args.out
-    run_config = read_run_config(run_dir)
-    ckpt_dir = run_dir / checkpoint.CHECKPOINTS
+    run_config = rundir.read_run_config(run_dir)
+    output.claim(out, KIND, COMMAND, overwrite=args.overwrite, inputs=[("RUN_DIR", run_dir)])
+    ckpt_dir = run_dir / rundir.CHECKPOINTS
     tag = args.tag or checkpoint.latest_tag(ckpt_dir)
     if tag is None or not (ckpt_dir / tag).is_dir():
         raise UserError(f"{ckpt_dir}: no checkpoint {'tag ' + tag if tag else 'to export'}")
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise UserError(f"--out {out}: exists and is not empty (use --overwrite to replace it)")
-    model_cfg = config_from_dict(run_config["model"]["config"])
-    model_cfg._attn_implementation = "sdpa"
+    checkpoint.check_files(ckpt_dir / tag)
+    model_cfg = rebuild_config(run_config, run_dir)
     model = build_model(model_cfg)
-    state_dict = consolidated_state_dict(ckpt_dir, tag, int(run_config.get("zero_stage", 0)))
+    state_dict = checkpoint.consolidated_state_dict(ckpt_dir, tag, int(run_config["zero_stage"]))
     load_weights(model, state_dict, where=ckpt_dir / tag)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    vocab = int(run_config["data"].get("vocab_size") or model.config.vocab_size)
+    if model.config.vocab_size > vocab:  # the tokenizer's size: drop the tensor-core padding
+        model.resize_token_embeddings(vocab, mean_resizing=False)
+    objective = run_config["model"]["objective"]
+    with output.new_dir(out, KIND, COMMAND) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         save_tokenizer(run_dir, run_config, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        # checked before the export is in place
+        checked = reference.compare(run_dir, tmp, checkpoint.step_of(tag), objective)
+        if checked is not None:
+            diff, tolerance = checked
+            print(f"check: max |logits - training logits| = {diff:.2e} (tolerance "
+                  f"{tolerance:.1e})", file=sys.stderr)
+            if diff > tolerance:
+                raise UserError(f"{run_dir}: the exported model's logits differ from the run's "
+                                f"by {diff:.2e} (tolerance {tolerance:.1e}); nothing was written "
+                                f"to {out}")
     print(f"exported {tag} of {run_dir} -> {out} ({run_config['model']['preset']}, "
-          f"{run_config['model']['objective']})", file=sys.stderr)
-    diff = check_reference(run_dir, out, tag, run_config["model"]["objective"])
-    if diff is not None:
-        print(f"check: max |logits - training logits| = {diff:.2e}", file=sys.stderr)
-        if diff > LOGITS_TOLERANCE:
-            raise UserError(f"{out}: exported model's logits differ from the run's by {diff:.2e}")
+          f"{objective})", file=sys.stderr)
     return 0
 
 
-def read_run_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / RUN_CONFIG
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir}: no such run directory")
-    data = read_json(path, missing=f"{run_dir}: no {RUN_CONFIG} (not a run directory of app "
-                                   f"train)")
-    for key in ("model",):
-        if key not in data:
-            raise UserError(f"{path}: missing key '{key}'")
-    return data
-
-
-def consolidated_state_dict(ckpt_dir: Path, tag: str, stage: int) -> dict[str, torch.Tensor]:
-    """fp32 weights of the whole model from one checkpoint tag."""
-    tag_dir = ckpt_dir / tag
-    if stage > 0:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-    if not files:
-        raise UserError(f"{tag_dir}: no mp_rank_*_model_states.pt (incomplete checkpoint)")
-    module = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-    return {k: v.float() for k, v in module.items()}
+def rebuild_config(run_config: dict[str, Any], run_dir: Path):
+    try:
+        model_cfg = config_from_dict(run_config["model"]["config"])
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot rebuild
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise UserError(f"{run_dir / rundir.RUN_CONFIG}: key 'model.config' is not a usable "
+                        f"model config ({first.strip()})") from None
+    model_cfg._attn_implementation = "sdpa"
+    return model_cfg
 
 
 def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], where: Path) -> None:
@@ -113,27 +94,10 @@ def save_tokenizer(run_dir: Path, run_config: dict[str, Any], out: Path) -> None
     """The run's copy of the dataset tokenizer (or the dataset's), saved through transformers."""
     from transformers import AutoTokenizer
 
-    candidates = [run_dir / TOKENIZER_DIR,
-                  Path(run_config.get("data", {}).get("source", "")) / TOKENIZER_DIR]
+    candidates = [run_dir / rundir.TOKENIZER_DIR,
+                  Path(run_config.get("data", {}).get("source", "")) / rundir.TOKENIZER_DIR]
     for tok_dir in candidates:
         if (tok_dir / "tokenizer.json").is_file():
             AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
             return
     raise UserError(f"{run_dir}: no tokenizer (looked in {', '.join(map(str, candidates))})")
-
-
-@torch.no_grad()
-def check_reference(run_dir: Path, out: Path, tag: str, objective: str) -> float | None:
-    """Max |logits difference| between the exported model and the run's final logits."""
-    path = run_dir / REFERENCE
-    if not path.is_file():
-        return None
-    ref = torch.load(path, map_location="cpu")
-    if checkpoint.tag_for(int(ref["step"])) != tag:
-        return None
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
-
-    auto = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
-    model = auto.from_pretrained(out).eval()
-    logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits
-    return float((logits.float() - ref["logits"]).abs().max())

@@ -15,13 +15,20 @@ Choices (documented because BERT and RoBERTa leave them open):
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import numpy as np
 
-IGNORE_INDEX = -100      # label of positions without loss (PyTorch's cross-entropy default)
+IGNORE_INDEX = -100  # the label of positions without loss (PyTorch's and Hugging Face's)
 TRAIN_STREAM = 0         # separates the random streams of training and eval samples
 EVAL_STREAM = 1
+
+
+def mlm_slots(seq_len: int, mask_prob: float) -> int:
+    """The most positions `Masker` selects in a sample of `seq_len` tokens: a fixed width for
+    the batch's list of masked positions (`floor(p*n + u) <= floor(p*seq_len) + 1`)."""
+    return math.floor(mask_prob * seq_len) + 1
 
 
 def sample_rng(seed: int, position: int, stream: int = TRAIN_STREAM) -> np.random.Generator:

@@ -12,9 +12,11 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig,
-                          BertForMaskedLM, GPT2Config, LlamaConfig, PretrainedConfig)
+                          BertForMaskedLM, GPT2Config, LlamaConfig, PretrainedConfig,
+                          PreTrainedModel)
 from transformers.modeling_outputs import MaskedLMOutput
 
+from app.masking import IGNORE_INDEX
 from data_tools.errors import UserError
 
 
@@ -57,8 +59,6 @@ _DROPOUT_FIELDS = {
     "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
     "llama": ("attention_dropout",),
 }
-_POSITION_FIELDS = ("max_position_embeddings", "n_positions")
-IGNORE_INDEX = -100  # labels the loss skips (Hugging Face's convention)
 
 
 def preset(name: str) -> Preset:
@@ -75,29 +75,87 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise UserError(f"--model-arg {item!r}: expected KEY=VALUE, e.g. num_hidden_layers=4")
         try:
-            out[key] = json.loads(raw)
+            out[key] = json.loads(raw, parse_constant=_not_finite)
         except json.JSONDecodeError:
             out[key] = raw
+        except ValueError:
+            raise UserError(f"--model-arg {item}: not a finite number") from None
     return out
+
+
+def _not_finite(name: str) -> Any:
+    raise ValueError(name)
+
+
+# Fields that count something (an int >= 1 when set) and names that hold probabilities.
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size", "max_position_embeddings", "num_key_value_heads", "n_inner",
+                "head_dim", "type_vocab_size")
+_PROBABILITY_MARKS = ("dropout", "pdrop")
+
+
+def check_config(config: PretrainedConfig, overrides: Mapping[str, Any]) -> None:
+    """Ranges that `transformers` checks late or never (its config classes check types only):
+    sizes at least 1, probabilities in [0, 1), heads dividing the width. UserError naming the
+    --model-arg key."""
+    amap = getattr(config, "attribute_map", {})
+
+    def flag(field: str) -> str:
+        names = [field, amap.get(field)] + [k for k, v in amap.items() if v == field]
+        given = next((n for n in names if n in overrides), field)  # as the user spelled it
+        return f"--model-arg {given}={getattr(config, field)!r}"
+
+    for field in _SIZE_FIELDS:
+        value = getattr(config, field, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{flag(field)}: must be a whole number, at least 1")
+    for key, value in config.to_dict().items():
+        if any(m in key for m in _PROBABILITY_MARKS) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and not 0.0 <= value < 1.0:
+            raise UserError(f"{flag(key)}: a probability, must be in [0, 1)")
+    heads = config.num_attention_heads
+    if config.hidden_size % heads:
+        raise UserError(f"{flag('hidden_size')}: not a multiple of num_attention_heads {heads}")
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv and heads % kv:
+        raise UserError(f"{flag('num_key_value_heads')}: does not divide num_attention_heads "
+                        f"{heads}")
+
+
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    """The vocabulary rounded up to a multiple of `multiple`: the embedding and LM-head matrix
+    products run on whole tensor-core tiles (Megatron pads to 128 for the same reason). The
+    extra rows are never a target; an export keeps the tokenizer's size (app.export)."""
+    return -(-vocab_size // multiple) * multiple
 
 
 def build_config(name: str, *, vocab_size: int, special_ids: Mapping[str, int | None],
                  overrides: Mapping[str, Any] | None = None, dropout: float | None = None,
-                 attn_implementation: str = "sdpa") -> PretrainedConfig:
-    """The preset's config with the tokenizer's vocabulary and ids, then the user's overrides."""
+                 attn_implementation: str = "sdpa", pad_vocab_to: int = 1) -> PretrainedConfig:
+    """The preset's config with the tokenizer's vocabulary (padded to `pad_vocab_to`) and ids,
+    then the user's overrides (type-checked by the config class, range-checked by
+    `check_config`)."""
     p = preset(name)
+    overrides = dict(overrides or {})
     fields = dict(p.fields)
-    fields["vocab_size"] = vocab_size
+    fields["vocab_size"] = padded_vocab(vocab_size, pad_vocab_to)
     fields.update({k: v for k, v in special_ids.items() if v is not None})
-    config = p.config_class(**fields)
-    for key in _DROPOUT_FIELDS.get(config.model_type, ()):
+    default = p.config_class(**fields)
+    for key in _DROPOUT_FIELDS.get(default.model_type, ()):
         if dropout is not None:
-            setattr(config, key, float(dropout))
-    for key, value in (overrides or {}).items():
-        if not hasattr(config, key):
-            raise UserError(f"--model-arg {key}={value!r}: {config.model_type} configs have no "
+            fields[key] = float(dropout)
+    for key, value in overrides.items():
+        if not hasattr(default, key):
+            raise UserError(f"--model-arg {key}={value!r}: {default.model_type} configs have no "
                             f"field '{key}'")
-        setattr(config, key, value)
+        fields[default.attribute_map.get(key, key)] = value
+    try:
+        config = p.config_class(**fields)
+    except Exception as e:  # noqa: BLE001 - transformers' strict field validation
+        raise UserError(f"--model-arg: {str(e).strip().splitlines()[-1].strip()}") from None
+    check_config(config, overrides)
     if int(config.vocab_size) < vocab_size:
         raise UserError(f"--model-arg vocab_size={config.vocab_size}: the dataset's token ids go "
                         f"up to {vocab_size - 1} (vocab_size {vocab_size} in dataset.json)")
@@ -112,10 +170,8 @@ def config_from_dict(data: Mapping[str, Any]) -> PretrainedConfig:
 
 
 def max_positions(config: PretrainedConfig) -> int:
-    for key in _POSITION_FIELDS:
-        if hasattr(config, key):
-            return int(getattr(config, key))
-    raise ValueError(f"{config.model_type}: no position limit field")
+    """Longest sequence the model takes (GPT-2's n_positions through its attribute_map)."""
+    return int(config.max_position_embeddings)
 
 
 def objective_of(config: PretrainedConfig) -> str:
@@ -123,43 +179,54 @@ def objective_of(config: PretrainedConfig) -> str:
 
 
 class SparseHeadBertForMaskedLM(BertForMaskedLM):
-    """BertForMaskedLM that, given labels, runs the vocabulary head on the labelled positions only.
+    """BertForMaskedLM that, given the masked positions, runs the vocabulary head there only.
 
-    The head (hidden x vocab per position) is most of a small BERT's step; MLM labels ~15% of
-    positions, so this cuts a bert-tiny step about in half on CPU. Same weights and the same loss
-    (mean cross-entropy over labelled tokens); without labels it is BertForMaskedLM, and exports
-    load as one.
+    The head (hidden x vocab per position) is most of a small BERT's step; MLM masks ~15% of
+    positions, so this cuts a bert-tiny step about in half on CPU. The positions come as a
+    fixed-width list per sample (`mlm_positions`, padded, with `mlm_labels` IGNORE_INDEX there;
+    app.data.BatchLayout): a gather with static shapes, no host sync. Same weights and the same
+    loss (mean cross-entropy over the masked tokens); without positions it is BertForMaskedLM,
+    and exports load as one.
     """
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-        if labels is None:
+    def forward(self, input_ids=None, attention_mask=None, mlm_positions=None, mlm_labels=None,
+                **kwargs):
+        if mlm_positions is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask, **kwargs)[0]
-        keep = labels != IGNORE_INDEX
-        logits = self.cls(hidden[keep])
-        # sum / count: a micro batch without a labelled token gives 0, not NaN
-        loss = F.cross_entropy(logits.float(), labels[keep], reduction="sum") \
-            / keep.sum().clamp(min=1)
+        index = mlm_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
+        logits = self.cls(hidden.gather(1, index))
+        flat = mlm_labels.reshape(-1)
+        # sum / count on the device: a micro batch without a masked token gives 0, not NaN
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat,
+                               ignore_index=IGNORE_INDEX, reduction="sum") \
+            / (flat != IGNORE_INDEX).sum().clamp(min=1)
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
 def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = False,
-                seed: int | None = None, sparse_mlm_head: bool = False) -> torch.nn.Module:
+                seed: int | None = None, for_training: bool = False) -> torch.nn.Module:
     """A freshly initialised model for the config's objective (same seed, same weights).
 
-    `sparse_mlm_head` (training only): see SparseHeadBertForMaskedLM.
+    `for_training`: the MLM head takes the loader's masked positions (SparseHeadBertForMaskedLM),
+    and the model skips transformers' per-forward look for padding in inputs given without an
+    attention mask (a host sync each step; the loader hands over a mask whenever it pads).
     """
     if seed is not None:
         torch.manual_seed(seed)
     auto = AutoModelForMaskedLM if objective_of(config) == "mlm" else AutoModelForCausalLM
     try:
-        if sparse_mlm_head and config.model_type == "bert":
+        if for_training and config.model_type == "bert":
             model = SparseHeadBertForMaskedLM._from_config(
                 config, attn_implementation=config._attn_implementation)
         else:
             model = auto.from_config(config, attn_implementation=config._attn_implementation)
     except (ImportError, ValueError) as e:  # e.g. flash_attention_2 without its package
         raise UserError(f"--attn {config._attn_implementation}: {e}".splitlines()[0]) from None
+    if for_training:
+        for part in model.modules():  # the base model (GPT2Model, ...) is the one that looks
+            if isinstance(part, PreTrainedModel):
+                part.warn_if_padding_and_no_attention_mask = _no_padding_check
     if gradient_checkpointing:
         # use_reentrant=False: works with ZeRO-3's partitioned parameters and frozen inputs
         kwargs = {"use_reentrant": False}
@@ -168,6 +235,23 @@ def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = Fals
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
+
+
+def _no_padding_check(input_ids, attention_mask) -> None:
+    """See build_model: the loader never pads without handing over an attention mask."""
+
+
+def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups for AdamW: weight decay on the matrices of the linear layers only; none on
+    biases, LayerNorm weights and embeddings (decaying those only pulls scales and rare tokens'
+    vectors toward zero; GPT-3, Megatron and the Hugging Face Trainer all exempt them)."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                  for p in m.parameters()}
+    decay, other = [], []
+    for p in {id(p): p for p in model.parameters() if p.requires_grad}.values():
+        (decay if p.ndim >= 2 and id(p) not in embeddings else other).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": other, "weight_decay": 0.0}]
 
 
 def count_parameters(model: torch.nn.Module) -> int:

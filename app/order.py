@@ -3,7 +3,8 @@
 The stream is infinite: position `p` belongs to epoch `p // N` and reads sample
 `Permutation(N, seed, epoch)(p % N)`. The permutation is a Feistel network over the smallest
 power-of-4 domain that holds [0, N), with cycle-walking back into [0, N): a bijection computable
-per index in O(1) memory, so 7 billion samples need no shuffled array (DESIGN.md, "Scale").
+per index in O(1) memory, so 7 billion samples need no shuffled array (docs/design.md,
+"Samples, order, resume").
 
 Global batch `g` is stream positions [g*GBS, (g+1)*GBS); rank `r` of `dp` takes the contiguous
 slice [g*GBS + r*GBS/dp, g*GBS + (r+1)*GBS/dp). Everything here is a pure function of its
@@ -115,6 +116,11 @@ def check_batch_geometry(global_batch: int, micro_batch: int, dp_size: int,
                         f"batch than the checkpoint's?)")
 
 
+def check_rank(dp_rank: int, dp_size: int) -> None:
+    if not 0 <= dp_rank < dp_size:
+        raise UserError(f"data-parallel rank {dp_rank} outside [0, {dp_size})")
+
+
 def rank_slice(global_batch_index: int, global_batch: int, dp_rank: int, dp_size: int) -> range:
     """Stream positions rank `dp_rank` reads in global batch `global_batch_index`."""
     per_rank = global_batch // dp_size
@@ -123,14 +129,22 @@ def rank_slice(global_batch_index: int, global_batch: int, dp_rank: int, dp_size
 
 
 def rank_positions(consumed_samples: int, global_batch: int, dp_rank: int,
-                   dp_size: int) -> Iterator[int]:
-    """This rank's stream positions from global sample `consumed_samples` on, forever."""
-    if not 0 <= dp_rank < dp_size:
-        raise UserError(f"data-parallel rank {dp_rank} outside [0, {dp_size})")
+                   dp_size: int, skip: frozenset[int] = frozenset()) -> Iterator[int]:
+    """This rank's stream positions from global sample `consumed_samples` on, forever, leaving
+    out the global batches in `skip` (batches a run skipped after a loss spike)."""
+    check_rank(dp_rank, dp_size)
     g = consumed_samples // global_batch
     while True:
-        yield from rank_slice(g, global_batch, dp_rank, dp_size)
+        if g not in skip:
+            yield from rank_slice(g, global_batch, dp_rank, dp_size)
         g += 1
+
+
+def skip_ahead(consumed_samples: int, global_batch: int, skip: frozenset[int]) -> int:
+    """The stream position of the next global batch that is not skipped."""
+    while consumed_samples // global_batch in skip:
+        consumed_samples += global_batch
+    return consumed_samples
 
 
 def eval_positions(num_samples: int, micro_batch: int, dp_rank: int, dp_size: int) -> range:

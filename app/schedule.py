@@ -41,13 +41,13 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay: str = "c
 def check_schedule(*, warmup_steps: int, total_steps: int, decay: str, min_lr_ratio: float) -> None:
     """UserError for settings the schedule cannot follow (called before any process starts)."""
     if decay not in DECAYS:
-        raise UserError(f"--lr-decay {decay!r}: expected one of {', '.join(DECAYS)}")
+        raise UserError(f"LR decay {decay!r}: expected one of {', '.join(DECAYS)}")
     if warmup_steps < 0:
-        raise UserError(f"--warmup-steps {warmup_steps}: must be 0 or more")
+        raise UserError(f"warmup_steps {warmup_steps}: must be 0 or more")
     if total_steps < 1:
         raise UserError(f"total steps {total_steps}: must be at least 1")
     if not 0.0 <= min_lr_ratio <= 1.0:
-        raise UserError(f"--min-lr-ratio {min_lr_ratio}: must be between 0 and 1")
+        raise UserError(f"min_lr_ratio {min_lr_ratio}: must be between 0 and 1")
 
 
 def schedule_fn(*, warmup_steps: int, total_steps: int, decay: str = "cosine",

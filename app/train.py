@@ -1,8 +1,9 @@
 """`python -m app train`: pretrain a model on a dataset directory.
 
-build config -> check everything checkable (before any process group) -> join the group ->
-stage data -> engine -> resume -> Trainer.fit -> summary. Start it with the deepspeed launcher
-(or launch.sh) for many ranks; a bare `python -m app train` is a world of one.
+config -> plan (settle and check everything checkable, before any process group) -> run
+directory -> join the group -> stage data -> engine -> resume -> Trainer.fit -> reference logits
+-> summary. Start it with the deepspeed launcher (or launch.sh) for many ranks; a bare
+`python -m app train` is a world of one.
 """
 from __future__ import annotations
 
@@ -14,34 +15,40 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from app import checkpoint
+from app import anomaly, checkpoint, faults, reference, rundir, telemetry
 from app import config as config_mod
 from app.config import TrainConfig
-from app.device import Device, attention_implementation, detect, set_cpu_threads
-from app.engine import (World, adopt_launcher_env, all_gather_object, barrier, fill_auto,
-                        init_distributed, initialize, load_ds_config, settle_precision, versions,
-                        world_from_env, zero_config_path, zero_stage)
-from app.metrics import METRICS, MetricsLogger, wandb_mode
+from app.device import (ComputeClock, Device, attention_implementation, detect, enable_tf32,
+                        set_cpu_threads)
+from app.engine import (World, adopt_launcher_env, barrier, engine_facts, fill_auto,
+                        init_distributed, initialize, load_ds_config, lost_peer,
+                        settle_precision, shutdown, validate_ds_config, versions, world_from_env,
+                        zero_config_path, zero_stage)
+from app.flops import ModelShape, flops_per_token, head_fraction
+from app.metrics import MetricsLogger, WandbSettings, wandb_mode
 from app.model import (build_config, build_model, count_parameters, max_positions,
-                       parse_overrides, preset)
+                       optimizer_groups, parse_overrides, preset)
 from app.schedule import schedule_fn
-from app.trainer import REFERENCE, Schedule, Trainer, TrainState
-from data_tools.errors import UserError
-from data_tools.manifest import TOKENIZER_DIR, load_manifest, write_json_atomic
-
-RUN_CONFIG = "config.json"
-SUMMARY = "summary.json"
+from app.train_state import TrainState
+from app.order import skip_ahead
+from app.preemption import StopRequests
+from app.trainer import Guards, Schedule, Trainer
+from app.watchdog import Watchdog
+from data_tools import output
+from data_tools.errors import Stopped, UserError
+from data_tools.manifest import TOKENIZER_DIR, load_manifest, tokenizer_fingerprint
+from data_tools.output import write_json_atomic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     config_mod.add_arguments(parser)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """Everything settled before the process group starts (so bad input fails fast everywhere)."""
 
@@ -52,6 +59,7 @@ class Plan:
     model_config: Any
     objective: str
     ds_config: dict[str, Any]
+    """The DeepSpeed config with every "auto" filled."""
     ds_path: Path
     precision: str
     micro_batch: int
@@ -59,78 +67,147 @@ class Plan:
     global_batch: int
     total_steps: int
     warmup_steps: int
+    lr_lambda: Callable[[int], float]
+    """The LR schedule, a multiplier of the peak LR per optimizer step."""
     has_eval: bool
     resume: tuple[Path, str] | None
-    resume_state: dict[str, Any] | None
+    """(checkpoint dir, tag) to resume from."""
 
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
-    from app.data import DataSpec, dataset_stats  # the data side (loaders) of the app
-
     manifest = load_manifest(cfg.data)
-    p = preset(cfg.model_name)
-    objective = cfg.objective or p.objective
-    if objective != p.objective:
-        raise UserError(f"--objective {objective}: preset {cfg.model_name} is "
-                        f"{'an encoder (mlm)' if p.objective == 'mlm' else 'a decoder (clm)'}")
-    ds_path = cfg.ds_config or zero_config_path(cfg.zero or 0)
-    raw_ds = load_ds_config(ds_path)
-    precision = settle_precision(raw_ds, cfg.precision, device, ds_path)
-    eod = manifest["eod_token_id"]
-    special = {"pad_token_id": manifest.get("pad_token_id")}
-    if objective == "clm":
-        special.update(bos_token_id=manifest.get("bos_token_id", eod), eos_token_id=eod)
-    model_config = build_config(cfg.model_name, vocab_size=int(manifest["vocab_size"]),
-                                special_ids=special, overrides=parse_overrides(cfg.model_arg),
-                                dropout=cfg.dropout,
-                                attn_implementation=attention_implementation(cfg.attn, device,
-                                                                             precision))
-    if cfg.seq_len > max_positions(model_config):
-        raise UserError(f"--seq-len {cfg.seq_len}: above the {max_positions(model_config)} "
-                        f"positions of {cfg.model_name} (raise it with --model-arg)")
-    stats = dataset_stats(DataSpec(cfg.data, "train", cfg.seq_len, objective, cfg.packing,
-                                   cfg.seed, cfg.mask_prob), manifest)
-    has_eval = "val" in manifest["splits"] and bool(manifest["splits"]["val"]["shards"])
-    if has_eval:
-        try:
-            dataset_stats(DataSpec(cfg.data, "val", cfg.seq_len, objective, cfg.packing,
-                                   cfg.seed, cfg.mask_prob), manifest)
-        except UserError as e:
-            has_eval = False
-            if world.is_main:
-                print(f"no evaluation: {e}", file=sys.stderr)
-
+    check_tokenizer_copy(cfg.data, manifest)
+    ds_path, raw_ds, precision = settle_deepspeed(cfg, device, world.is_main)
+    objective, model_config = settle_model(cfg, manifest, device, precision)
+    stats, has_eval = settle_data(cfg, manifest, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
-    total_steps = cfg.max_steps
-    if cfg.max_tokens is not None:
-        total_steps = min(total_steps, math.ceil(cfg.max_tokens / (gbs * cfg.seq_len)))
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
-    schedule_fn(warmup_steps=warmup, total_steps=total_steps, decay=cfg.lr_decay,
-                min_lr_ratio=cfg.min_lr_ratio)  # raises UserError for bad settings
-    hidden = getattr(model_config, "hidden_size", None) or model_config.n_embd
+    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs)
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                   weight_decay=cfg.weight_decay, hidden_size=int(hidden),
-                   pin_memory=device.pin_memory, where=ds_path)
-    resume = check_run_dir(cfg)
-    resume_state = None
-    if resume is not None:
-        resume_state = checkpoint.read_state(*resume)
-        checkpoint.check_resumable(resume_state, fingerprint=manifest["fingerprint"],
-                                   model_config=model_config.to_dict(),
-                                   where=resume[0] / resume[1])
-        saved_world = resume_state.get("world_size")
-        if zero_stage(ds) > 0 and saved_world not in (None, world.world_size):
-            raise UserError(f"{resume[0] / resume[1]}: written by {saved_world} ranks with ZeRO "
-                            f"partitions; resume it with {saved_world} ranks, not "
-                            f"{world.world_size}")
+                   weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
+                   torch_adam=device.torch_adam)
+    for warning in validate_ds_config(ds, ds_path):
+        if world.is_main:
+            print(f"warning: {warning}", file=sys.stderr)
+    resume = settle_resume(cfg, manifest, model_config, objective, ds, world)
     if world.is_main:
         print(f"data: {stats['num_samples']:,} train samples of {cfg.seq_len} tokens "
               f"({stats['tokens']:,} tokens); {gbs} samples = {gbs * cfg.seq_len:,} tokens per "
               f"step; {total_steps} steps = {total_steps * gbs / stats['num_samples']:.2f} epochs",
               file=sys.stderr)
-    return Plan(cfg, device, world, manifest, model_config, objective, ds, ds_path, precision,
-                micro, accum, gbs, total_steps, warmup, has_eval, resume, resume_state)
+    return Plan(cfg=cfg, device=device, world=world, manifest=manifest,
+                model_config=model_config, objective=objective, ds_config=ds, ds_path=ds_path,
+                precision=precision, micro_batch=micro, grad_accum=accum, global_batch=gbs,
+                total_steps=total_steps, warmup_steps=warmup, lr_lambda=lr_lambda,
+                has_eval=has_eval, resume=resume)
+
+
+def settle_deepspeed(cfg: TrainConfig, device: Device,
+                     is_main: bool) -> tuple[Path, dict[str, Any], str]:
+    """(ds_config path, its contents, precision). Without --zero or --ds-config: ZeRO-0, or
+    ZeRO-1 for bf16, where DeepSpeed accumulates and all-reduces gradients in fp32 (at ZeRO-0 it
+    refuses fp32 accumulation with bf16 weights: gradients would be summed in bf16)."""
+    ds_path = cfg.ds_config or zero_config_path(cfg.zero or 0)
+    raw_ds = load_ds_config(ds_path)
+    precision = settle_precision(raw_ds, cfg.precision, device, ds_path)
+    if precision == "bf16" and zero_stage(raw_ds) == 0:
+        if cfg.zero is None and cfg.ds_config is None:
+            ds_path = zero_config_path(1)
+            raw_ds = load_ds_config(ds_path)
+        elif is_main:
+            print("warning: bf16 at ZeRO-0 accumulates and all-reduces gradients in bf16; "
+                  "DeepSpeed allows fp32 accumulation from ZeRO-1 on (--zero 1: the same "
+                  "communication volume, optimizer states sharded)", file=sys.stderr)
+    return ds_path, raw_ds, precision
+
+
+def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
+                 precision: str) -> tuple[str, Any]:
+    """(objective, model config): the preset with the dataset's vocabulary and special ids."""
+    p = preset(cfg.model_name)
+    objective = cfg.objective or p.objective
+    if objective != p.objective:
+        raise UserError(f"--objective {objective}: preset {cfg.model_name} is "
+                        f"{'an encoder (mlm)' if p.objective == 'mlm' else 'a decoder (clm)'}")
+    eod = manifest["eod_token_id"]
+    special = {"pad_token_id": manifest.get("pad_token_id")}
+    if objective == "clm":
+        special.update(bos_token_id=manifest.get("bos_token_id", eod), eos_token_id=eod)
+    attn = attention_implementation(cfg.attn, device, precision, cfg.packing)
+    model_config = build_config(cfg.model_name, vocab_size=int(manifest["vocab_size"]),
+                                special_ids=special, overrides=parse_overrides(cfg.model_arg),
+                                dropout=cfg.dropout, attn_implementation=attn,
+                                pad_vocab_to=cfg.pad_vocab_to)
+    if cfg.seq_len > max_positions(model_config):
+        raise UserError(f"--seq-len {cfg.seq_len}: above the {max_positions(model_config)} "
+                        f"positions of {cfg.model_name} (raise it with --model-arg)")
+    return objective, model_config
+
+
+def settle_data(cfg: TrainConfig, manifest: dict[str, Any], objective: str,
+                is_main: bool) -> tuple[dict[str, Any], bool]:
+    """(train split figures, whether there is a val split to evaluate on), from dataset.json."""
+    from app.data import DataSpec, dataset_stats  # the data side (loaders) of the app
+
+    def stats(split: str) -> dict[str, Any]:
+        return dataset_stats(DataSpec(cfg.data, split, cfg.seq_len, objective, cfg.packing,
+                                      cfg.seed, cfg.mask_prob), manifest)
+
+    train = stats("train")
+    has_eval = "val" in manifest["splits"] and bool(manifest["splits"]["val"]["shards"])
+    if has_eval:
+        try:
+            stats("val")
+        except UserError as e:
+            has_eval = False
+            if is_main:
+                print(f"no evaluation: {e}", file=sys.stderr)
+    return train, has_eval
+
+
+def settle_schedule(cfg: TrainConfig, global_batch: int) -> tuple[int, int, Callable]:
+    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens."""
+    total_steps = cfg.max_steps
+    if cfg.max_tokens is not None:
+        total_steps = min(total_steps, math.ceil(cfg.max_tokens / (global_batch * cfg.seq_len)))
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
+    return total_steps, warmup, schedule_fn(warmup_steps=warmup, total_steps=total_steps,
+                                            decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)
+
+
+def settle_resume(cfg: TrainConfig, manifest: dict[str, Any], model_config, objective: str,
+                  ds: dict[str, Any], world: World) -> tuple[Path, str] | None:
+    """The checkpoint to resume from, checked against this run (or None)."""
+    resume = check_run_dir(cfg)
+    if resume is None:
+        return None
+    where = resume[0] / resume[1]
+    state = checkpoint.read_state(*resume)
+    checkpoint.check_resumable(state, fingerprint=manifest["fingerprint"],
+                               model_config=model_config.to_dict(),
+                               sample_layout=sample_layout(cfg, objective), where=where)
+    checkpoint.check_files(where)
+    saved_world = state["world_size"]
+    if zero_stage(ds) > 0 and saved_world != world.world_size:
+        raise UserError(f"{where}: written by {saved_world} ranks with ZeRO partitions; resume "
+                        f"it with {saved_world} ranks, not {world.world_size}")
+    return resume
+
+
+def sample_layout(cfg: TrainConfig, objective: str) -> dict[str, Any]:
+    """The settings that decide which sample a stream position is (checkpoint.SAMPLE_LAYOUT)."""
+    values = {**cfg.to_dict(), "objective": objective}
+    return {k: values[k] for k in checkpoint.SAMPLE_LAYOUT}
+
+
+def check_tokenizer_copy(data: Path, manifest: dict[str, Any]) -> None:
+    """The dataset's tokenizer copy must be the one it was made with (one hash of one file)."""
+    tok_dir = data / manifest["tokenizer"].get("dir", TOKENIZER_DIR)
+    found = tokenizer_fingerprint(tok_dir)
+    if found != manifest["tokenizer"]["fingerprint"]:
+        raise UserError(f"{tok_dir / 'tokenizer.json'}: fingerprint {found} does not match "
+                        f"{data / 'dataset.json'}'s {manifest['tokenizer']['fingerprint']} "
+                        f"(replaced or corrupt; run `python -m data_tools inspect --verify`)")
 
 
 def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
@@ -152,48 +229,59 @@ def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
 
 def check_run_dir(cfg: TrainConfig) -> tuple[Path, str] | None:
     """The checkpoint to resume from (or None), refusing to clobber a previous run silently."""
-    if cfg.out.exists() and not cfg.out.is_dir():
-        raise UserError(f"--out {cfg.out}: exists and is not a directory")
+    rundir.check_out(cfg.out, cfg.data)
+    ckpt_dir = cfg.out / rundir.CHECKPOINTS
     resume = checkpoint.find_resume(cfg.resume, cfg.out)
     if resume is None and not cfg.overwrite:
-        previous = [n for n in (checkpoint.CHECKPOINTS, METRICS, SUMMARY)
+        previous = [n for n in (rundir.CHECKPOINTS, rundir.METRICS, rundir.SUMMARY)
                     if (cfg.out / n).exists()]
-        has_ckpt = checkpoint.latest_tag(cfg.out / checkpoint.CHECKPOINTS) is not None
+        has_ckpt = checkpoint.latest_tag(ckpt_dir) is not None
         if previous and (cfg.resume == "never" or has_ckpt):
             raise UserError(f"--out {cfg.out}: holds a previous run ({', '.join(previous)}); "
                             f"continue it with --resume auto, or replace it with --overwrite")
-    if resume is not None:
-        newer = checkpoint.tags_after(cfg.out / checkpoint.CHECKPOINTS, resume[1])
+    # with --resume auto, tags newer than `latest` are interrupted saves (prepare_run_dir)
+    if resume is not None and cfg.resume != "auto":
+        newer = checkpoint.tags_after(ckpt_dir, resume[1])
         if newer:  # saving here would interleave two histories and prune the wrong one
-            raise UserError(f"--resume {resume[0] / resume[1]}: {cfg.out / checkpoint.CHECKPOINTS}"
-                            f" holds later checkpoints ({', '.join(newer)}); resume into another "
-                            f"--out, or move those away")
+            raise UserError(f"--resume {resume[0] / resume[1]}: {ckpt_dir} holds later "
+                            f"checkpoints ({', '.join(newer)}); resume into another --out, or "
+                            f"move those away")
     return resume
 
 
-def clear_run_dir(run_dir: Path) -> None:
-    """--overwrite: remove what a previous run left (only the files this app writes)."""
-    shutil.rmtree(run_dir / checkpoint.CHECKPOINTS, ignore_errors=True)
-    for name in (METRICS, SUMMARY, REFERENCE, RUN_CONFIG, "wandb/run_id"):
-        (run_dir / name).unlink(missing_ok=True)
+def prepare_run_dir(cfg: TrainConfig, resume: tuple[Path, str] | None) -> None:
+    """Main rank, before the process group: clear (--overwrite), create and mark RUN_DIR, and
+    remove what an interrupted save left (tags newer than `latest`)."""
+    if cfg.overwrite and resume is None and rundir.is_run_dir(cfg.out):
+        rundir.clear(cfg.out)
+    rundir.create(cfg.out)
+    if cfg.resume != "auto":
+        return
+    for tag in checkpoint.remove_partial_saves(cfg.out / rundir.CHECKPOINTS):
+        print(f"removed {cfg.out / rundir.CHECKPOINTS / tag}: an interrupted save (`latest` "
+              f"names an earlier checkpoint)", file=sys.stderr)
 
 
 def stage_data(cfg: TrainConfig, world: World) -> Path:
-    """First local rank of each node copies the dataset to --stage-to; the others wait for it."""
-    path = error = None
-    if world.local_rank == 0:
-        from data_tools.stage import stage_dataset  # lazily: only runs that stage need it
-        try:
-            path = str(stage_dataset(cfg.data, cfg.stage_to, progress=world.is_main))
-        except UserError as e:  # every rank stops with it, instead of waiting in the gather
-            error = str(e)
-    results = all_gather_object((path, error))  # also the barrier: no rank reads early
-    errors = [e for _, e in results if e]
-    if errors:
-        raise UserError(f"--stage-to {cfg.stage_to}: {errors[0]}")
-    paths = [p for p, _ in results]
-    # Launchers number ranks node by node, so this node's first local rank is rank - local_rank.
-    return Path(paths[world.rank - world.local_rank])
+    """Copy the dataset to node-local --stage-to, before the process group exists (a copy may
+    take longer than any collective's timeout). Every rank calls it: one rank a node copies, the
+    others wait on the destination's lock and then find the copy complete (data_tools.stage)."""
+    from data_tools.stage import stage  # lazily: only runs that stage need it
+
+    try:
+        stage(cfg.data, cfg.stage_to, progress=world.local_rank == 0)
+    except UserError as e:
+        raise UserError(f"--stage-to {cfg.stage_to}: {e}") from None
+    return cfg.stage_to
+
+
+EXIT_LOST_PEER = 1  # another rank failed first: its output has the reason
+
+
+def dropout_seed(seed: int, rank: int) -> int:
+    """Each rank's torch RNG seed for dropout: a stream per rank, apart from the weights' seed
+    (`seed` itself; 1_000_003 is a prime above any rank count, so no two (seed, rank) meet)."""
+    return seed * 1_000_003 + rank + 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,63 +289,94 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig.from_args(args)
     device = detect()
     threads = set_cpu_threads(device)
-    adopt_launcher_env()
+    adopt_launcher_env()  # ranks from MPI/Slurm launchers, once, before anything reads them
     plan = plan_run(cfg, device, world_from_env())
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
-        if cfg.overwrite and plan.resume is None:
-            clear_run_dir(cfg.out)
-        try:
-            cfg.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"--out {cfg.out}: cannot create ({e.strerror})") from None
-    world = init_distributed(device)
+        prepare_run_dir(cfg, plan.resume)
+    data_dir = stage_data(cfg, plan.world) if cfg.stage_to else cfg.data
+    enable_tf32(device, plan.precision, cfg.tf32)
+    world = init_distributed(device, timeout_minutes=cfg.dist_timeout)
     barrier()
-    data_dir = stage_data(cfg, world) if cfg.stage_to else cfg.data
-
-    model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
-                        seed=cfg.seed, sparse_mlm_head=True)
-    n_params = count_parameters(model)
-    lr_lambda = schedule_fn(warmup_steps=plan.warmup_steps, total_steps=plan.total_steps,
-                            decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)
-    engine = initialize(model, plan.ds_config, lr_lambda)
-    torch.manual_seed(cfg.seed * 1_000_003 + world.rank + 1)  # dropout: a stream per rank
     state = TrainState()
-    ckpt_dir = cfg.out / checkpoint.CHECKPOINTS
+    engine, n_params = build_engine(plan, state.cooldown)
+    torch.manual_seed(dropout_seed(cfg.seed, world.rank))
+    state.facts = {"world_size": world.world_size, "global_batch": engine.train_batch_size(),
+                   "dataset_fingerprint": plan.manifest["fingerprint"],
+                   "model_config": plan.model_config.to_dict(), "run_config": cfg.to_dict(),
+                   "ds_config": plan.ds_config,
+                   "flat_master_groups": checkpoint.flat_master_groups(engine)}
     if plan.resume is not None:
-        saved = checkpoint.load(engine, *plan.resume, rank=world.rank)
-        state = TrainState(step=saved["step"], consumed_samples=saved["consumed_samples"],
-                           tokens_seen=saved["tokens_seen"],
-                           best_eval_loss=saved.get("best_eval_loss"))
+        state.load_state_dict(checkpoint.load(engine, *plan.resume))
         checkpoint.restore_rng(*plan.resume, rank=world.rank)
         if world.is_main:
             print(f"resumed from {plan.resume[0] / plan.resume[1]} at step {state.step}",
                   file=sys.stderr)
-
     run_config = describe_run(plan, engine, world, data_dir, n_params, threads)
+    shape = run_shape(plan, engine)
     if world.is_main:
-        print(f"model: {cfg.model_name} ({plan.objective}), {n_params / 1e6:.2f}M parameters, "
-              f"{plan.precision}, ZeRO-{zero_stage(plan.ds_config)}, {world.world_size} rank(s) "
-              f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
-              f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
-              file=sys.stderr)
-        write_json_atomic(cfg.out / RUN_CONFIG, run_config)
-        tok_src = data_dir / plan.manifest["tokenizer"].get("dir", TOKENIZER_DIR)
-        if tok_src.is_dir():
-            shutil.copytree(tok_src, cfg.out / TOKENIZER_DIR, dirs_exist_ok=True)
-    trainer = build_trainer(plan, engine, world, data_dir, state, ckpt_dir, run_config)
+        record_run(plan, engine, run_config, data_dir, n_params, shape)
+    trainer = build_trainer(plan, engine, world, data_dir, state, run_config, shape)
     try:
         summary = trainer.fit()
+    except RuntimeError as e:
+        if not lost_peer(e):
+            raise
+        raise Stopped(f"rank {world.rank} lost a peer in a collective (another rank stopped: "
+                      f"its own output says why)", EXIT_LOST_PEER) from None
     finally:
-        trainer.logger.close()
+        trainer.close()
+    reference.record(engine, cfg.out, seq_len=cfg.seq_len, step=state.step,
+                     vocab_size=int(plan.manifest["vocab_size"]), device=trainer.device,
+                     precision=plan.precision, is_main=world.is_main)
     if world.is_main:
-        summary = {**summary, "wall_seconds": round(time.time() - started, 3),
-                   "stopped_early": state.step < plan.total_steps,
-                   "resumed_from": str(plan.resume[0] / plan.resume[1]) if plan.resume else None}
-        write_json_atomic(cfg.out / SUMMARY, summary)
-        print(f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens, "
-              f"{summary['tokens_per_sec']:,.0f} tokens/s; run in {cfg.out}", file=sys.stderr)
+        finish(plan, summary, started)
     barrier()
+    shutdown()
     return 0
+
+
+def build_engine(plan: Plan, cooldown: anomaly.Cooldown):
+    """The model (same seed, same weights on every rank) inside the DeepSpeed engine; its LR
+    schedule is the plan's times the cool-down after a rollback (part of the train state)."""
+    cfg = plan.cfg
+    model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
+                        seed=cfg.seed, for_training=True)
+    n_params = count_parameters(model)
+    engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown),
+                        optimizer_groups(model, cfg.weight_decay))
+    if cfg.compile:
+        engine.compile()
+    return engine, n_params
+
+
+def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
+               n_params: int, shape: telemetry.RunShape) -> None:
+    """Main rank: the start-up banner, RUN_DIR/config.json and the run's copy of the tokenizer."""
+    cfg, world = plan.cfg, plan.world
+    print(f"model: {cfg.model_name} ({plan.objective}), {n_params / 1e6:.2f}M parameters, "
+          f"{plan.precision}, ZeRO-{zero_stage(plan.ds_config)}, {world.world_size} rank(s) "
+          f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
+          f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
+          file=sys.stderr)
+    print(telemetry.banner(shape, nodes=run_config["environment"]["nodes"],
+                           total_steps=plan.total_steps, device=plan.device.model),
+          file=sys.stderr)
+    write_json_atomic(cfg.out / rundir.RUN_CONFIG, run_config)
+    tok_src = data_dir / plan.manifest["tokenizer"].get("dir", TOKENIZER_DIR)
+    if tok_src.is_dir():
+        with output.writing(cfg.out / rundir.TOKENIZER_DIR):
+            shutil.copytree(tok_src, cfg.out / rundir.TOKENIZER_DIR, dirs_exist_ok=True)
+
+
+def finish(plan: Plan, summary: dict[str, Any], started: float) -> None:
+    """Main rank: RUN_DIR/summary.json and the last line."""
+    cfg = plan.cfg
+    summary = {**summary, "wall_seconds": round(time.time() - started, 3),
+               "stopped_early": summary["steps"] < plan.total_steps,
+               "resumed_from": str(plan.resume[0] / plan.resume[1]) if plan.resume else None}
+    write_json_atomic(cfg.out / rundir.SUMMARY, summary)
+    print(f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens, "
+          f"{summary['tokens_per_sec']:,.0f} tokens/s; run in {cfg.out}", file=sys.stderr)
 
 
 def describe_run(plan: Plan, engine, world: World, data_dir: Path, n_params: int,
@@ -278,20 +397,34 @@ def describe_run(plan: Plan, engine, world: World, data_dir: Path, n_params: int
         "zero_stage": zero_stage(plan.ds_config),
         "ds_config_file": str(plan.ds_path),
         "ds_config": plan.ds_config,
+        "engine": engine_facts(engine),
         "data": {"source": str(cfg.data), "read_from": str(data_dir),
                  "staged": cfg.stage_to is not None,
                  "fingerprint": plan.manifest["fingerprint"],
                  "vocab_size": plan.manifest["vocab_size"]},
         "environment": {"world_size": world.world_size,
                         "local_world_size": world.local_world_size,
+                        "nodes": max(1, world.world_size // max(1, world.local_world_size)),
                         "device": plan.device.as_dict(), "cpu_threads_per_rank": threads,
                         "hostname": platform.node(), "python": platform.python_version(),
                         **versions()},
     }
 
 
+def run_shape(plan: Plan, engine) -> telemetry.RunShape:
+    """What telemetry needs to turn times into throughput and MFU (docs: app/flops.py)."""
+    cfg = plan.cfg
+    per_token = flops_per_token(ModelShape.from_config(plan.model_config), cfg.seq_len,
+                                head_fraction(plan.objective, cfg.mask_prob))
+    peak = telemetry.peak_tflops(plan.device.model, plan.precision, tf32=cfg.tf32,
+                                 override=cfg.peak_tflops)
+    return telemetry.RunShape(global_batch=engine.train_batch_size(), seq_len=cfg.seq_len,
+                              world_size=plan.world.world_size, flops_per_token=per_token,
+                              peak_tflops=peak)
+
+
 def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: TrainState,
-                  ckpt_dir: Path, run_config: dict[str, Any]) -> Trainer:
+                  run_config: dict[str, Any], shape: telemetry.RunShape) -> Trainer:
     from app.data import DataSpec, build_eval_loader, build_train_loader, default_num_workers
 
     cfg = plan.cfg
@@ -304,31 +437,49 @@ def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: Train
         return DataSpec(data_dir, split, cfg.seq_len, plan.objective, cfg.packing, cfg.seed,
                         cfg.mask_prob)
 
-    def train_batches(consumed: int):
-        return build_train_loader(spec("train"), micro_batch=micro,
-                                  global_batch=engine.train_batch_size(), dp_rank=world.rank,
-                                  dp_size=world.world_size, consumed_samples=consumed,
-                                  num_workers=workers, pin_memory=pin)
+    def train_batches(consumed: int, skip: frozenset[int]):
+        return faults.slow_loader(build_train_loader(
+            spec("train"), micro_batch=micro, global_batch=engine.train_batch_size(),
+            dp_rank=world.rank, dp_size=world.world_size, consumed_samples=consumed,
+            num_workers=workers, pin_memory=pin, skip=skip), world.rank)
 
     def eval_batches():
         return build_eval_loader(spec("val"), micro_batch=micro,
                                  dp_rank=world.rank, dp_size=world.world_size,
                                  max_samples=cfg.eval_samples, num_workers=0, pin_memory=pin)
 
-    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb_mode=wandb_mode(cfg.wandb),
-                           run_config=run_config, project=cfg.wandb_project,
-                           run_name=cfg.out.resolve().name,
+    wandb = WandbSettings(mode=wandb_mode(cfg.wandb), project=cfg.wandb_project,
+                          name=cfg.run_name or cfg.out.resolve().name, group=cfg.wandb_group,
+                          tags=tuple(cfg.wandb_tags))
+    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb=wandb, run_config=run_config,
                            resumed_step=state.step if plan.resume else None)
-    stop = min(cfg.stop_at_step or plan.total_steps, plan.total_steps)
-    schedule = Schedule(total_steps=plan.total_steps, stop_step=stop, log_every=cfg.log_every,
-                        eval_every=cfg.eval_every, save_every=cfg.save_every,
-                        keep_last=cfg.keep_last)
-    extra = {"world_size": world.world_size, "global_batch": engine.train_batch_size(),
-             "dataset_fingerprint": plan.manifest["fingerprint"],
-             "model_config": plan.model_config.to_dict(), "run_config": run_config["run"],
-             "ds_config": plan.ds_config}
+    schedule = Schedule(total_steps=plan.total_steps,
+                        stop_step=min(cfg.stop_at_step or plan.total_steps, plan.total_steps),
+                        log_every=cfg.log_every, eval_every=cfg.eval_every,
+                        save_every=cfg.save_every, keep_last=cfg.keep_last,
+                        skip_failed_saves=cfg.save_errors == "skip")
     return Trainer(engine=engine, world=world, device=plan.device.torch_device(world.local_rank),
                    schedule=schedule, state=state, seq_len=cfg.seq_len, objective=plan.objective,
                    train_batches=train_batches,
                    eval_batches=eval_batches if plan.has_eval else None, logger=logger,
-                   ckpt_dir=ckpt_dir, checkpoint_extra=extra, run_dir=cfg.out)
+                   run_dir=cfg.out, shape=shape, compute_clock=ComputeClock(plan.device),
+                   guards=build_guards(plan, world, state, spec("train"), engine))
+
+
+def build_guards(plan: Plan, world: World, state: TrainState, train_spec, engine) -> Guards:
+    """The anomaly rules and monitor, the agreed stop signals, the watchdog, the skipped
+    batches (every rank reads them: a resume skips them too)."""
+    from app.data import batch_samples
+
+    cfg = plan.cfg
+    rules = anomaly.Rules(policy=cfg.on_anomaly, window=cfg.spike_window, z=cfg.spike_z,
+                          rise=cfg.spike_rise, max_rollbacks=cfg.max_rollbacks,
+                          cooldown_steps=cfg.cooldown_steps, cooldown_factor=cfg.cooldown_factor)
+    skip = rundir.read_skipped(cfg.out)
+    state.consumed_samples = skip_ahead(state.consumed_samples, engine.train_batch_size(), skip)
+    return Guards(rules=rules,
+                  monitor=anomaly.LossMonitor(rules, plan.device.torch_device(world.local_rank)),
+                  stops=StopRequests(world.world_size > 1),
+                  watchdog=Watchdog(cfg.hang_timeout, world.rank), skip=skip,
+                  describe_batch=lambda g: batch_samples(train_spec, g,
+                                                         engine.train_batch_size()))

@@ -63,19 +63,21 @@ def make_dataset(root: Path, tokens: int, shards: int = 4) -> Path:
         "vocab_size": VOCAB, "eod_token_id": SEP, "pad_token_id": PAD, "mask_token_id": MASK,
         "cls_token_id": CLS, "unk_token_id": UNK,
         "tokenizer": {"dir": "tokenizer", "fingerprint": "xxh3_128:synthetic", "files": []},
-        "checksum_algorithm": "xxh3_128",
+        "checksum_algorithm": "xxh3_128", "fingerprint": "xxh3_128:synthetic",
         "splits": {"train": {"documents": sum(e["documents"] for e in entries),
                              "tokens": sum(e["tokens"] for e in entries), "shards": entries}}})
     return root
 
 
 def small_bert(vocab_size: int, seq_len: int) -> torch.nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertConfig
+
+    from app.model import SparseHeadBertForMaskedLM  # takes the loader's masked positions
 
     config = BertConfig(vocab_size=vocab_size, hidden_size=128, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=512,
                         max_position_embeddings=max(512, seq_len))
-    return BertForMaskedLM(config)
+    return SparseHeadBertForMaskedLM(config)
 
 
 def run(loader, batches: int, step) -> tuple[float, float]:

@@ -50,7 +50,7 @@ def reference_loop(args, manifest: dict) -> dict:
                           special_ids=special_ids(manifest),
                           overrides=parse_overrides(args.model_arg), dropout=args.dropout)
     # the same module the app trains (for MLM: the vocabulary head on labelled positions only)
-    model = build_model(config, seed=args.seed, sparse_mlm_head=not args.full_head)
+    model = build_model(config, seed=args.seed, for_training=not args.full_head)
     model.train()
     # one parameter group, as the app hands model.parameters() to deepspeed.initialize
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
@@ -67,6 +67,11 @@ def reference_loop(args, manifest: dict) -> dict:
         t0 = time.perf_counter()
         batch = next(loader)
         t1 = time.perf_counter()
+        if args.full_head and "mlm_positions" in batch:  # the full head takes full-length labels
+            labels = torch.full_like(batch["input_ids"], -100)
+            for row, pos, lab in zip(labels, batch["mlm_positions"], batch["mlm_labels"]):
+                row[pos[lab != -100]] = lab[lab != -100]
+            batch = {"input_ids": batch["input_ids"], "labels": labels}
         loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

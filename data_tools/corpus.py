@@ -20,6 +20,7 @@ import json
 import os
 import re
 import zlib
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -34,13 +35,16 @@ _READ_BYTES = 1 << 20
 _GOOD_CUT = re.compile(r"(?<=\S)\n(?=\S)|(?= \S)")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
-_replaced = 0
+# The stats of the corpus decoding right now: codec error handlers are registered globally, so
+# the handler finds its corpus here (set around each decode call, never across a `yield`).
+_decoding: ContextVar[CorpusStats | None] = ContextVar("dspretrain_decoding", default=None)
 
 
 def _count_and_replace(err: UnicodeDecodeError) -> tuple[str, int]:
     """Codec error handler: U+FFFD like errors="replace", but counted for the summary."""
-    global _replaced
-    _replaced += 1
+    stats = _decoding.get()
+    if stats is not None:
+        stats.replaced_chars += 1
     return "\ufffd", err.end
 
 
@@ -131,7 +135,6 @@ class Corpus:
 
     def pieces(self) -> Iterator[tuple[str, bool]]:
         """(text, is_last_piece_of_its_document), documents in order; empty ones skipped."""
-        start = _replaced
         for path in self.files:
             self.stats.files += 1
             try:
@@ -145,12 +148,29 @@ class Corpus:
                 raise UserError(f"{path}: corrupt gzip file ({e})") from None
             except OSError as e:
                 raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
-            self.stats.replaced_chars = _replaced - start
 
-    def texts(self) -> Iterator[str]:
-        """Pieces only (for tokenizer training, where document boundaries do not matter)."""
-        for text, _ in self.pieces():
-            yield text
+    def batches(self, batch_chars: int) -> Iterator[tuple[list[str], list[bool], int]]:
+        """(pieces, is-last flags, corpus bytes read so far) in batches of ~`batch_chars`
+        characters: what a tokenizer takes per call."""
+        texts: list[str] = []
+        lasts: list[bool] = []
+        chars = 0
+        for text, last in self.pieces():
+            texts.append(text)
+            lasts.append(last)
+            chars += len(text)
+            if chars >= batch_chars:
+                yield texts, lasts, self.stats.bytes
+                texts, lasts, chars = [], [], 0
+        if texts:
+            yield texts, lasts, self.stats.bytes
+
+    def _decode(self, decode, *args) -> str:
+        token = _decoding.set(self.stats)  # the error handler counts into this corpus
+        try:
+            return decode(*args)
+        finally:
+            _decoding.reset(token)
 
     def _text_pieces(self, path: Path) -> Iterator[tuple[str, bool]]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors=self._errors)
@@ -162,7 +182,7 @@ class Corpus:
                 raw = f.read(_READ_BYTES)
                 self._account(raw)
                 try:
-                    buf += decoder.decode(raw, final=not raw)
+                    buf += self._decode(decoder.decode, raw, not raw)
                 except UnicodeDecodeError as e:
                     raise UserError(f"{path}: invalid UTF-8 at byte {offset + e.start} "
                                     f"(drop --strict to replace and count it)") from None
@@ -185,7 +205,7 @@ class Corpus:
             for lineno, raw in enumerate(f, 1):
                 self._account(raw)
                 try:
-                    line = raw.decode("utf-8", errors=self._errors)
+                    line = self._decode(raw.decode, "utf-8", self._errors)
                 except UnicodeDecodeError as e:
                     raise UserError(f"{path}:{lineno}: invalid UTF-8 at column {e.start + 1} "
                                     f"(drop --strict to replace and count it)") from None
@@ -218,7 +238,6 @@ class Corpus:
 
     def _fix_surrogates(self, text: str, path: Path, lineno: int) -> str:
         """JSON escapes can encode lone surrogates ("\\ud800"), which are not valid UTF-8."""
-        global _replaced
         try:
             text.encode("utf-8")
             return text
@@ -227,7 +246,7 @@ class Corpus:
                 raise UserError(f"{path}:{lineno}: key '{self.text_key}' holds a lone surrogate "
                                 f"(invalid Unicode; drop --strict to replace it)") from None
             fixed, n = _SURROGATE.subn("\ufffd", text)
-            _replaced += n
+            self.stats.replaced_chars += n
             return fixed
 
     def _account(self, raw: bytes) -> None:

@@ -69,13 +69,7 @@ def format_table(s: dict[str, Any]) -> str:
 
 
 def _human(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
+    return "?" if n is None else tqdm.format_sizeof(n, "B")
 
 
 # -- verify ----------------------------------------------------------------------------------
@@ -132,21 +126,14 @@ def _hash_and_max(path: Path, dtype: np.dtype | None, bar: tqdm) -> tuple[str, i
     """One read: the file's checksum and, for a .bin, its largest token id."""
     h = mf.new_hasher()
     max_id: int | None = None
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            if dtype is not None:
-                usable = n - n % dtype.itemsize
-                if usable:
-                    chunk_max = int(np.frombuffer(buf, dtype=dtype, count=usable // dtype.itemsize)
-                                    .max())
-                    max_id = chunk_max if max_id is None else max(max_id, chunk_max)
-            bar.update(n)
+        for chunk in mf.read_chunks(f, memoryview(bytearray(_CHUNK))):
+            h.update(chunk)
+            usable = len(chunk) - len(chunk) % dtype.itemsize if dtype is not None else 0
+            if usable:
+                chunk_max = int(np.frombuffer(chunk[:usable], dtype=dtype).max())
+                max_id = chunk_max if max_id is None else max(max_id, chunk_max)
+            bar.update(len(chunk))
     return mf.format_digest(h), max_id
 
 

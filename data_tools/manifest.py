@@ -31,21 +31,22 @@ Schema (format_version 1):
 """
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator, Literal
 
 import xxhash
 
 from data_tools.errors import UserError
+from data_tools.output import write_json_atomic
+from data_tools.schema import NonNegativeInt, PositiveInt, Schema, check, read_json
 
 MANIFEST = "dataset.json"
 FORMAT = "dspretrain-dataset"
 FORMAT_VERSION = 1
 TOKENIZER_DIR = "tokenizer"
 CHECKSUM_ALGORITHM = "xxh3_128"
+TOKEN_DTYPES = ("uint16", "int32")  # Megatron's two choices (data_tools.indexed.token_dtype)
 _CHUNK = 8 << 20
 
 
@@ -58,16 +59,33 @@ def format_digest(hasher) -> str:
     return f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}"
 
 
+def read_chunks(f: BinaryIO, buf: memoryview, limit: int | None = None) -> Iterator[memoryview]:
+    """The one read loop of checksums, verification and staging: successive chunks of the open
+    file `f` (up to `limit` bytes), each read into `buf` (reused, so use a chunk before the
+    next) and filled completely unless the file ends (network filesystems return short reads)."""
+    left = limit
+    while left is None or left > 0:
+        want = len(buf) if left is None else min(len(buf), left)
+        got = 0
+        while got < want:
+            n = f.readinto(buf[got:want])
+            if not n:
+                break
+            got += n
+        if not got:
+            return
+        yield buf[:got]
+        if left is not None:
+            left -= got
+        if got < want:
+            return
+
+
 def file_checksum(path: str | os.PathLike, chunk: int = _CHUNK) -> str:
     h = new_hasher()
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
+        for piece in read_chunks(f, memoryview(bytearray(chunk))):
+            h.update(piece)
     return format_digest(h)
 
 
@@ -91,61 +109,57 @@ def dataset_fingerprint(manifest: dict[str, Any]) -> str:
     return format_digest(h)
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write JSON so that readers see either nothing or the whole file."""
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write a file so that readers see the old content or the whole new one, never a part."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it 0600; others must read a dataset
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def read_json(path: str | os.PathLike, *, missing: str | None = None) -> Any:
-    """Parse a JSON file; UserError naming the file (and the line) when it is unusable.
-
-    `missing` is the message for a file that does not exist (default: "<path>: no such file").
-    """
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise UserError(missing or f"{path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not UTF-8 text") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
-
-
 def write_manifest(dataset_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
     write_json_atomic(Path(dataset_dir) / MANIFEST, manifest)
 
 
-_REQUIRED = ("format_version", "dtype", "vocab_size", "eod_token_id", "tokenizer", "splits")
+class ShardEntry(Schema):
+    name: str
+    documents: NonNegativeInt | None = None
+    tokens: NonNegativeInt | None = None
+    bin_bytes: NonNegativeInt
+    idx_bytes: NonNegativeInt
+    bin_checksum: str
+    idx_checksum: str
+
+
+class SplitEntry(Schema):
+    documents: NonNegativeInt | None = None
+    tokens: NonNegativeInt | None = None
+    shards: list[ShardEntry]
+
+
+class TokenizerFile(Schema):
+    name: str
+    bytes: NonNegativeInt
+    checksum: str
+
+
+class TokenizerEntry(Schema):
+    dir: str = TOKENIZER_DIR
+    fingerprint: str
+    kind: str | None = None
+    files: list[TokenizerFile] | None = None
+
+
+class ManifestSchema(Schema):
+    """dataset.json as `load_manifest` accepts it (see the module docstring)."""
+
+    format_version: Literal[1]
+    dtype: Literal[TOKEN_DTYPES]
+    vocab_size: PositiveInt
+    eod_token_id: NonNegativeInt
+    pad_token_id: NonNegativeInt | None = None
+    mask_token_id: NonNegativeInt | None = None
+    cls_token_id: NonNegativeInt | None = None
+    bos_token_id: NonNegativeInt | None = None
+    unk_token_id: NonNegativeInt | None = None
+    special_token_ids: list[NonNegativeInt] | None = None
+    tokenizer: TokenizerEntry
+    splits: dict[str, SplitEntry]
+    fingerprint: str
+    documents: NonNegativeInt | None = None
+    tokens: NonNegativeInt | None = None
 
 
 def load_manifest(dataset_dir: str | os.PathLike) -> dict[str, Any]:
@@ -159,25 +173,34 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{d}: no {MANIFEST} (not a dataset, or prepare/stage did not finish)")
     manifest = read_json(path)
-    if not isinstance(manifest, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    for key in _REQUIRED:
-        if key not in manifest:
-            raise UserError(f"{path}: missing key '{key}'")
-    if manifest["format_version"] != FORMAT_VERSION:
+    if isinstance(manifest, dict) and manifest.get("format_version", FORMAT_VERSION) \
+            != FORMAT_VERSION:
         raise UserError(f"{path}: format_version {manifest['format_version']!r} is not supported "
                         f"(this version reads {FORMAT_VERSION})")
-    splits = manifest["splits"]
-    if not isinstance(splits, dict) or "train" not in splits:
+    check(ManifestSchema, manifest, path)
+    if "train" not in manifest["splits"]:
         raise UserError(f"{path}: key 'splits' has no 'train' split")
-    for name, split in splits.items():
-        if not isinstance(split, dict) or not isinstance(split.get("shards"), list):
-            raise UserError(f"{path}: key 'splits.{name}.shards' is missing or not a list")
-        for i, shard in enumerate(split["shards"]):
-            for key in ("name", "bin_bytes", "idx_bytes", "bin_checksum", "idx_checksum"):
-                if key not in shard:
-                    raise UserError(f"{path}: key 'splits.{name}.shards[{i}].{key}' is missing")
     return manifest
+
+
+_NAMED_SPECIALS = ("eod_token_id", "pad_token_id", "mask_token_id", "cls_token_id",
+                   "unk_token_id", "bos_token_id")
+
+
+def special_ids(dataset_dir: str | os.PathLike, manifest: dict[str, Any]) -> set[int]:
+    """Every special token id of the dataset's tokenizer (MLM never selects or draws them).
+
+    `prepare` records them in dataset.json (`special_token_ids`); for a dataset made before it
+    did, they are read from its tokenizer copy."""
+    ids = {manifest.get(k) for k in _NAMED_SPECIALS}
+    if manifest.get("special_token_ids") is not None:
+        ids.update(manifest["special_token_ids"])
+    else:
+        tok_json = Path(dataset_dir) / manifest["tokenizer"].get("dir", TOKENIZER_DIR) \
+            / "tokenizer.json"
+        added = read_json(tok_json).get("added_tokens") or [] if tok_json.is_file() else []
+        ids.update(t["id"] for t in added if t.get("special") and isinstance(t.get("id"), int))
+    return {int(i) for i in ids if isinstance(i, int)}
 
 
 def shard_prefixes(dataset_dir: str | os.PathLike, manifest: dict[str, Any],

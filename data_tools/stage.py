@@ -32,14 +32,16 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from filelock import FileLock, Timeout
 from tqdm import tqdm
 
+from data_tools import output
+from data_tools.cli import config_flags
 from data_tools.errors import UserError
 from data_tools.manifest import (MANIFEST, TOKENIZER_DIR, dataset_files, file_checksum,
-                                 format_digest, load_manifest, new_hasher)
+                                 format_digest, load_manifest, new_hasher, read_chunks)
 
 LOCK_NAME = ".stage.lock"
 STATE_NAME = ".stage-state.json"
@@ -49,6 +51,29 @@ BUFFER_BYTES = 8 << 20  # large sequential reads/writes; one buffer per worker t
 BLOCK_BYTES = 4096  # O_DIRECT alignment of buffer, offset and length; resume offsets round down
 SPACE_MARGIN_BYTES = 1 << 20  # the manifest, the state file and block rounding
 _STATE_SAVE_SECONDS = 2.0  # rewrite the state file at most this often while copying
+
+
+@dataclass
+class StageConfig:
+    """`python -m data_tools stage` settings (and `stage()`'s). Fields are the flags."""
+
+    src: Path
+    """Dataset directory to copy."""
+    dst: Path
+    """Node-local destination directory."""
+    workers: int = DEFAULT_WORKERS
+    """Files copied in parallel."""
+    overwrite: bool = False
+    """Replace another dataset found at --dst (only the files it names)."""
+    verify_existing: bool = False
+    """Re-hash files already at --dst instead of trusting the state file."""
+    progress: bool = True
+    """Show a progress bar (--quiet turns it off)."""
+
+    def __post_init__(self) -> None:
+        self.src, self.dst = Path(self.src), Path(self.dst)
+        if self.workers < 1:
+            raise UserError(f"--workers must be at least 1, not {self.workers}")
 
 
 @dataclass(frozen=True)
@@ -175,11 +200,14 @@ class _State:
         self.path = dst / STATE_NAME
         self.fingerprint = fingerprint
         self.files: dict[str, dict[str, Any]] = {}
+        self.foreign_files: list[str] = []
         self._lock = threading.Lock()
         self._saved_at = 0.0
 
     def load(self) -> str | None:
-        """Read the records; return the fingerprint they belong to (None: no usable state)."""
+        """Read the records; return the fingerprint they belong to (None: no usable state).
+        Records of another dataset (a partial stage of it) are kept in `foreign_files`."""
+        self.files, self.foreign_files = {}, []
         try:
             data = json.loads(self.path.read_text())
             fingerprint, files = str(data["fingerprint"]), dict(data["files"])
@@ -187,6 +215,8 @@ class _State:
             return None  # missing or damaged: files are re-hashed instead, nothing is lost
         if fingerprint == self.fingerprint:
             self.files = files
+        else:
+            self.foreign_files = list(files)
         return fingerprint
 
     def valid(self, dst: Path, spec: FileSpec) -> bool:
@@ -213,26 +243,8 @@ class _State:
 
     def _save_locked(self, fsync: bool) -> None:
         data = json.dumps({"fingerprint": self.fingerprint, "files": self.files}).encode()
-        _write_atomic(self.path, data, fsync=fsync)
+        output.write_bytes_atomic(self.path, data, fsync=fsync)
         self._saved_at = time.monotonic()
-
-
-def _write_atomic(path: Path, data: bytes, fsync: bool = True) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- copying
@@ -288,18 +300,6 @@ class _Sink:
             os.close(self.fd)
 
 
-def _read_full(f, view: memoryview) -> int:
-    """Fill `view` unless the file ends: network filesystems may return short reads, and only the
-    last chunk of a file may be short for the O_DIRECT writes to stay block-aligned."""
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
 class _Copier:
     """Copies or re-hashes one file at a time; many run in a thread pool (I/O and xxhash release
     the GIL)."""
@@ -316,18 +316,21 @@ class _Copier:
             self._local.buf = memoryview(mmap.mmap(-1, BUFFER_BYTES))
         return self._local.buf
 
-    def _hash_file(self, f, h, nbytes: int) -> int:
-        """Hash up to `nbytes` from `f`'s current position; return how many there were."""
-        buf, done = self._buffer(), 0
-        while done < nbytes:
+    def _chunks(self, f, nbytes: int) -> Iterator[memoryview]:
+        """Up to `nbytes` of `f` from its position, in whole buffers (only the last chunk of a
+        file may be short, so the O_DIRECT writes stay block-aligned); stops when cancelled."""
+        for chunk in read_chunks(f, self._buffer(), nbytes):
             if self.stop.is_set():
                 raise _Cancelled()
-            n = _read_full(f, buf[:min(len(buf), nbytes - done)])
-            if not n:
-                break
-            h.update(buf[:n])
-            done += n
-            self.bar.update(n)
+            yield chunk
+            self.bar.update(len(chunk))
+
+    def _hash_file(self, f, h, nbytes: int) -> int:
+        """Hash up to `nbytes` from `f`'s current position; return how many there were."""
+        done = 0
+        for chunk in self._chunks(f, nbytes):
+            h.update(chunk)
+            done += len(chunk)
         return done
 
     def stage(self, spec: FileSpec) -> None:
@@ -349,7 +352,7 @@ class _Copier:
 
     def _copy(self, spec: FileSpec, target: Path, resume: bool) -> None:
         source, part = self.src / spec.rel, partial_path(target)
-        h, buf, offset = new_hasher(), self._buffer(), 0
+        h, offset = new_hasher(), 0
         if resume and part.is_file() and part.stat().st_size <= spec.size:
             with open(part, "rb", buffering=0) as f:  # re-hash what an earlier run wrote
                 keep = part.stat().st_size // BLOCK_BYTES * BLOCK_BYTES
@@ -361,17 +364,13 @@ class _Copier:
             sink, ok = _Sink(part, offset), False
             try:
                 done = offset
-                while done < spec.size:
-                    if self.stop.is_set():
-                        raise _Cancelled()
-                    n = _read_full(fin, buf[:min(len(buf), spec.size - done)])
-                    if not n:
-                        raise UserError(f"{source}: ended at byte {done} of {spec.size} while "
-                                        "copying (truncated or modified source)")
-                    h.update(buf[:n])  # hash the very buffer that is written
-                    sink.write(buf[:n])
-                    done += n
-                    self.bar.update(n)
+                for chunk in self._chunks(fin, spec.size - offset):
+                    h.update(chunk)  # hash the very buffer that is written
+                    sink.write(chunk)
+                    done += len(chunk)
+                if done < spec.size:
+                    raise UserError(f"{source}: ended at byte {done} of {spec.size} while "
+                                    "copying (truncated or modified source)")
                 ok = True
             finally:
                 sink.close(fsync=ok)
@@ -422,172 +421,182 @@ def _prepare_dst(dst: Path) -> None:
         raise UserError(f"{dst}: destination is not writable ({e.strerror})") from None
 
 
-def _is_complete(dst: Path, fingerprint: str, specs: list[FileSpec], state: _State) -> bool:
-    try:
-        dst_manifest = json.loads((dst / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    return (isinstance(dst_manifest, dict) and _fingerprint(dst_manifest) == fingerprint
-            and all(state.valid(dst, s) for s in specs))
+def _check_dst_is_ours(dst: Path, specs: list[FileSpec]) -> None:
+    """Refuse a non-empty destination that is neither a dataset nor a stage in progress: its
+    files would be mixed with the dataset's (docs/design.md, "Outputs")."""
+    if not dst.is_dir() or (dst / MANIFEST).exists() or (dst / STATE_NAME).exists():
+        return
+    expected = {LOCK_NAME} | {PurePosixPath(s.rel).parts[0] for s in specs}
+    strangers = sorted(p.name for p in dst.iterdir()
+                       if p.name not in expected and not p.name.startswith(".stage-probe.")
+                       and not p.name.endswith((PARTIAL_SUFFIX, ".tmp")))
+    if strangers:
+        raise UserError(f"--dst {dst}: not empty and not a dataset (holds {strangers[0]}); "
+                        f"choose an empty or new directory (nothing was changed)")
 
 
-def _remove_other_dataset(dst: Path, fingerprint: str, overwrite: bool) -> None:
-    """Refuse (or with `overwrite` remove) another dataset at dst: only the files it names."""
-    names: list[str] = []
-    other = None
+def _other_dataset(dst: Path, fingerprint: str, state: _State,
+                   overwrite: bool) -> tuple[str, list[str]] | None:
+    """(fingerprint, files) of another dataset at dst, complete or partly staged; None if none."""
     if (dst / MANIFEST).exists():
         try:
             old = load_manifest(dst)
         except UserError as e:
             if not overwrite:
                 raise UserError(f"{e}; pass --overwrite to replace it") from None
-            old = None
-        if old is not None and _fingerprint(old) != fingerprint:
-            other = _fingerprint(old)
-            names = [rel for rel, _, _ in dataset_files(old)]
-            if not old["tokenizer"].get("files"):
-                tok = dst / str(old["tokenizer"].get("dir", TOKENIZER_DIR))
-                names += [p.relative_to(dst).as_posix() for p in tok.rglob("*") if p.is_file()]
-        elif old is None:
-            other = "unreadable"
-    state = _State(dst, fingerprint)
-    if not (dst / MANIFEST).exists():
-        state_fp = state.load()
-        if state_fp not in (None, fingerprint):  # a partial stage of another dataset
-            other = state_fp
+            return "unreadable", []
+        if _fingerprint(old) == fingerprint:
+            return None
+        names = [rel for rel, _, _ in dataset_files(old)]
+        if not old["tokenizer"].get("files"):
+            tok = dst / str(old["tokenizer"].get("dir", TOKENIZER_DIR))
+            names += [p.relative_to(dst).as_posix() for p in tok.rglob("*") if p.is_file()]
+        return _fingerprint(old), names
+    recorded = state.load()
+    if recorded not in (None, fingerprint):  # a partial stage of another dataset
+        return recorded, state.foreign_files
+    return None
+
+
+class Stager:
+    """One stage of the dataset at `src` into `dst`: plan (in the constructor), then under the
+    destination's lock copy and commit, unless `dst` is complete already."""
+
+    def __init__(self, cfg: StageConfig, on_wait: Callable[[], None] | None = None):
+        self.cfg, self.on_wait = cfg, on_wait
+        self.src, self.dst = cfg.src, cfg.dst
+        manifest = load_manifest(self.src)
+        self.manifest_bytes = (self.src / MANIFEST).read_bytes()
+        if json.loads(self.manifest_bytes) != manifest:
+            raise UserError(f"{self.src / MANIFEST}: changed while staging; run the stage again")
+        self.fingerprint = _fingerprint(manifest)
+        self.specs = sorted(plan_files(self.src, manifest), key=lambda s: -s.size)  # big first
+        self.stats = StageStats(files=len(self.specs),
+                                total_bytes=sum(s.size for s in self.specs))
+        self.state = _State(self.dst, self.fingerprint)
+        output.check_apart(self.dst, [("--src", self.src)], flag="--dst")
+        _check_dst_is_ours(self.dst, self.specs)
+
+    def run(self) -> StageStats:
+        started = time.monotonic()
+        if not self.complete():  # reads only, so no lock: a complete dst may be read-only
+            _prepare_dst(self.dst)
+            lock = FileLock(str(self.dst / LOCK_NAME))
             try:
-                names = list(json.loads(state.path.read_text())["files"])
-            except (OSError, ValueError, KeyError):
-                names = []
-    if other is None:
-        return
-    if not overwrite:
-        raise UserError(f"{dst}: holds another dataset (fingerprint {other}, not {fingerprint}); "
-                        "pass --overwrite to replace it")
-    (dst / MANIFEST).unlink(missing_ok=True)  # first: dst must not look complete meanwhile
-    for rel in names:
+                lock.acquire(timeout=0)
+            except Timeout:
+                self.stats.waited_for_lock = True
+                if self.on_wait:
+                    self.on_wait()
+                lock.acquire()  # released by the OS if its holder dies: a crash never blocks
+            try:
+                if not self.complete():  # another process may have finished while we waited
+                    self.copy()
+                    self.commit()
+            finally:
+                lock.release()
+        self.stats.seconds = time.monotonic() - started
+        return self.stats
+
+    def complete(self) -> bool:
+        """dst holds this dataset and every file was verified earlier (state records match)."""
+        if self.cfg.verify_existing or not self.dst.is_dir() \
+                or self.state.load() != self.fingerprint:
+            return False
         try:
-            path = dst / _safe_rel(rel, dst / MANIFEST)
-        except UserError:
-            continue
-        path.unlink(missing_ok=True)
-        partial_path(path).unlink(missing_ok=True)
-    state.path.unlink(missing_ok=True)
+            dst_manifest = json.loads((self.dst / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return False
+        if not (isinstance(dst_manifest, dict) and _fingerprint(dst_manifest) == self.fingerprint
+                and all(self.state.valid(self.dst, s) for s in self.specs)):
+            return False
+        self.stats.reused_files = len(self.specs)
+        return True
+
+    def copy(self) -> None:
+        """Remove another dataset (--overwrite), then copy what is not verified yet."""
+        dst = self.dst
+        check_source_sizes(self.src, self.specs)  # before anything at dst is removed or written
+        self._remove_other_dataset()
+        if self.cfg.verify_existing:
+            self.state.files = {}
+        (dst / MANIFEST).unlink(missing_ok=True)  # incomplete or being verified: not done
+        todo = [s for s in self.specs if not self.state.valid(dst, s)]
+        self.stats.reused_files = len(self.specs) - len(todo)
+        check_free_space(dst, self._bytes_to_write(todo) + len(self.manifest_bytes))
+        with tqdm(total=sum(s.size for s in todo), desc=f"stage {dst.name or dst}", unit="B",
+                  unit_scale=True, file=sys.stderr, disable=not self.cfg.progress or not todo,
+                  mininterval=0.5, dynamic_ncols=True) as bar:
+            copier = _Copier(self.src, dst, self.state, bar, threading.Event())
+            try:
+                _run_pool(copier, todo, min(self.cfg.workers, max(1, len(todo))))
+            finally:
+                self.stats.copied_files = copier.copied_files
+                self.stats.copied_bytes = copier.copied_bytes
+                self.stats.rehashed_files = copier.rehashed_files
+                self.state.save()
+
+    def _bytes_to_write(self, todo: list[FileSpec]) -> int:
+        needed = 0
+        for s in todo:
+            target = self.dst / s.rel
+            if target.is_file() and target.stat().st_size == s.size:
+                continue  # re-hashed in place; replaced by a same-size copy if it does not match
+            part = partial_path(target)
+            have = part.stat().st_size if part.is_file() else 0
+            needed += s.size - (have if have <= s.size else 0)
+        return needed
+
+    def _remove_other_dataset(self) -> None:
+        """Refuse (or with --overwrite remove) another dataset at dst: only the files it names."""
+        other = _other_dataset(self.dst, self.fingerprint, self.state, self.cfg.overwrite)
+        if other is None:
+            return
+        fingerprint, names = other
+        if not self.cfg.overwrite:
+            raise UserError(f"{self.dst}: holds another dataset (fingerprint {fingerprint}, not "
+                            f"{self.fingerprint}); pass --overwrite to replace it")
+        (self.dst / MANIFEST).unlink(missing_ok=True)  # first: must not look complete meanwhile
+        for rel in names:
+            try:
+                path = self.dst / _safe_rel(rel, self.dst / MANIFEST)
+            except UserError:
+                continue
+            path.unlink(missing_ok=True)
+            partial_path(path).unlink(missing_ok=True)
+        self.state.path.unlink(missing_ok=True)
+        self.state.files, self.state.foreign_files = {}, []
+
+    def commit(self) -> None:
+        """Make the copy durable, then write dataset.json: from now on dst is complete."""
+        for directory in sorted({(self.dst / s.rel).parent for s in self.specs}):
+            output.fsync_dir(directory)
+        output.write_bytes_atomic(self.dst / MANIFEST, self.manifest_bytes)
 
 
 def stage(src: Path, dst: Path, *, workers: int | None = None, overwrite: bool = False,
           progress: bool = True, verify_existing: bool = False,
           on_wait: Callable[[], None] | None = None) -> StageStats:
-    """`stage_dataset` returning what it did (the CLI prints it; tests check who copied)."""
+    """Copy and verify the dataset at `src` into `dst` (idempotent, resumable, lock-protected:
+    every local rank may call it at once); returns what it did."""
+    cfg = StageConfig(src, dst, DEFAULT_WORKERS if workers is None else workers, overwrite,
+                      verify_existing, progress)
     try:
-        return _stage(src, dst, workers=workers, overwrite=overwrite, progress=progress,
-                      verify_existing=verify_existing, on_wait=on_wait)
+        return Stager(cfg, on_wait).run()
     except OSError as e:  # e.g. a read-only subdirectory, or a disk filled by someone else
         raise UserError(f"{e.filename or dst}: {e.strerror or e} (while staging into {dst}; "
                         f"partial files are kept for the next run)") from None
 
 
-def _stage(src: Path, dst: Path, *, workers: int | None, overwrite: bool, progress: bool,
-           verify_existing: bool, on_wait: Callable[[], None] | None) -> StageStats:
-    started = time.monotonic()
-    src, dst = Path(src), Path(dst)
-    workers = DEFAULT_WORKERS if workers is None else workers
-    if workers < 1:
-        raise UserError(f"--workers must be at least 1, not {workers}")
-    manifest = load_manifest(src)
-    manifest_bytes = (src / MANIFEST).read_bytes()
-    if json.loads(manifest_bytes) != manifest:
-        raise UserError(f"{src / MANIFEST}: changed while staging; run the stage again")
-    fingerprint = _fingerprint(manifest)
-    specs = sorted(plan_files(src, manifest), key=lambda s: -s.size)  # big files first
-    stats = StageStats(files=len(specs), total_bytes=sum(s.size for s in specs))
-    if dst.exists() and dst.resolve() == src.resolve():
-        raise UserError(f"{dst}: destination is the source directory")
-
-    state = _State(dst, fingerprint)
-    if (not verify_existing and dst.is_dir() and state.load() == fingerprint
-            and _is_complete(dst, fingerprint, specs, state)):
-        stats.reused_files, stats.seconds = len(specs), time.monotonic() - started
-        return stats  # complete already: reads only, so no lock (dst may even be read-only)
-
-    _prepare_dst(dst)
-    lock = FileLock(str(dst / LOCK_NAME))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        stats.waited_for_lock = True
-        if on_wait:
-            on_wait()
-        lock.acquire()  # released by the OS if its holder dies: a crashed stager never blocks
-    try:
-        _stage_locked(src, dst, manifest_bytes, fingerprint, specs, stats, workers=workers,
-                      overwrite=overwrite, progress=progress, verify_existing=verify_existing)
-    finally:
-        lock.release()
-    stats.seconds = time.monotonic() - started
-    return stats
-
-
-def _stage_locked(src: Path, dst: Path, manifest_bytes: bytes, fingerprint: str,
-                  specs: list[FileSpec], stats: StageStats, *, workers: int, overwrite: bool,
-                  progress: bool, verify_existing: bool) -> None:
-    state = _State(dst, fingerprint)
-    if (not verify_existing and state.load() == fingerprint
-            and _is_complete(dst, fingerprint, specs, state)):
-        stats.reused_files = len(specs)  # another process finished it while we waited
-        return
-    check_source_sizes(src, specs)  # before anything at dst is removed or written
-    _remove_other_dataset(dst, fingerprint, overwrite)
-    state = _State(dst, fingerprint)
-    if not verify_existing:
-        state.load()
-    (dst / MANIFEST).unlink(missing_ok=True)  # incomplete or being verified: must not look done
-    todo = [s for s in specs if not state.valid(dst, s)]
-    stats.reused_files = len(specs) - len(todo)
-    needed = 0
-    for s in todo:
-        target = dst / s.rel
-        if target.is_file() and target.stat().st_size == s.size:
-            continue  # re-hashed in place; replaced by a same-size copy if it does not match
-        part = partial_path(target)
-        have = part.stat().st_size if part.is_file() else 0
-        needed += s.size - (have if have <= s.size else 0)
-    check_free_space(dst, needed + len(manifest_bytes))
-
-    with tqdm(total=sum(s.size for s in todo), desc=f"stage {dst.name or dst}", unit="B",
-              unit_scale=True, file=sys.stderr, disable=not progress or not todo,
-              mininterval=0.5, dynamic_ncols=True) as bar:
-        copier = _Copier(src, dst, state, bar, threading.Event())
-        try:
-            _run_pool(copier, todo, min(workers, max(1, len(todo))))
-        finally:
-            stats.copied_files, stats.copied_bytes = copier.copied_files, copier.copied_bytes
-            stats.rehashed_files = copier.rehashed_files
-            state.save()
-    for directory in sorted({(dst / s.rel).parent for s in specs}):
-        _fsync_dir(directory)
-    _write_atomic(dst / MANIFEST, manifest_bytes)  # last: now the copy is complete
-    _fsync_dir(dst)
-
-
-def stage_dataset(src: Path, dst: Path, *, workers: int | None = None, overwrite: bool = False,
-                  progress: bool = True) -> Path:
-    """Copy + verify src dataset into dst (idempotent, resumable, lock-protected); return dst."""
-    stage(src, dst, workers=workers, overwrite=overwrite, progress=progress)
-    return Path(dst)
-
-
 # ----------------------------------------------------------------------------- command line
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--src", required=True, type=Path, help="dataset directory to copy")
-    parser.add_argument("--dst", required=True, type=Path, help="node-local destination directory")
-    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
-                        help=f"files copied in parallel (default {DEFAULT_WORKERS})")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace another dataset found at --dst (only the files it names)")
-    parser.add_argument("--verify-existing", action="store_true",
-                        help="re-hash files already at --dst instead of trusting the state file")
+    add = config_flags(parser, StageConfig)
+    add("src", required=True, type=Path, metavar="DIR")
+    add("dst", required=True, type=Path, metavar="DIR")
+    add("workers", type=int, metavar="N")
+    add("overwrite", action="store_true")
+    add("verify_existing", action="store_true")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 

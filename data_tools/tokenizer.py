@@ -13,15 +13,12 @@ huggingface/tokenizers#1794). That is why a dataset keeps its own copy of the to
 from __future__ import annotations
 
 import argparse
-import errno
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from tqdm import tqdm
 
+from data_tools import output
 from data_tools.corpus import DEFAULT_INCLUDE, Corpus
 from data_tools.errors import UserError
 
@@ -30,6 +27,7 @@ WORDPIECE_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "
 EOT = "<|endoftext|>"
 BPE_SPECIALS = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "pad_token": "<|pad|>"}
 DEFAULT_MAX_LENGTH = {"wordpiece": 512, "bpe": 1024}
+KIND, COMMAND = "tokenizer directory", "data_tools tokenizer"
 _BATCH_CHARS = 1 << 20
 
 
@@ -92,31 +90,17 @@ def min_vocab_size(kind: str) -> int:
     return len(WORDPIECE_SPECIALS) + 1 if kind == "wordpiece" else 256 + 2 + 1
 
 
-def _batches(texts: Iterator[str], bar: tqdm, corpus: Corpus) -> Iterator[list[str]]:
-    """Groups pieces into ~1 MB batches for the trainer (it takes an iterator of lists)."""
-    batch: list[str] = []
-    chars = 0
-    seen = 0
-    for text in texts:
-        batch.append(text)
-        chars += len(text)
-        if chars >= _BATCH_CHARS:
-            bar.update(corpus.stats.bytes - seen)
-            seen = corpus.stats.bytes
-            yield batch
-            batch, chars = [], 0
-    bar.update(corpus.stats.bytes - seen)
-    if batch:
-        yield batch
-
-
 def train(corpus: Corpus, kind: str, vocab_size: int, min_frequency: int = 2,
           lowercase: bool = False):
     """Train on the corpus, streaming it (the trainer only keeps word counts)."""
     tok, trainer = build(kind, vocab_size, min_frequency, lowercase)
     with tqdm(total=corpus.input_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               desc="reading corpus", dynamic_ncols=True) as bar:
-        tok.train_from_iterator(_batches(corpus.texts(), bar, corpus), trainer=trainer)
+        def texts() -> Iterator[list[str]]:  # the trainer takes an iterator of lists
+            for batch, _, read in corpus.batches(_BATCH_CHARS):
+                bar.update(read - bar.n)
+                yield batch
+        tok.train_from_iterator(texts(), trainer=trainer)
     if corpus.stats.documents == 0:
         raise UserError(f"empty corpus: no documents in {len(corpus.files)} input file(s)")
     return tok
@@ -131,33 +115,16 @@ def wrap(tok, kind: str, model_max_length: int):
                                    clean_up_tokenization_spaces=False, **specials)
 
 
-def save(fast, out: Path, overwrite: bool) -> None:
+def save(fast, out: Path) -> None:
     """Write into a temporary sibling, then rename: a half-saved directory never sits at `out`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with output.new_dir(out, KIND, COMMAND) as tmp:
         fast.save_pretrained(str(tmp))
-        if out.exists():
-            if overwrite:
-                shutil.rmtree(out) if out.is_dir() else out.unlink()
-            elif out.is_dir() and not any(out.iterdir()):
-                out.rmdir()
-            else:
-                raise UserError(f"{out}: already exists (use --overwrite to replace it)")
-        os.replace(tmp, out)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise UserError(f"out of disk space writing the tokenizer to {out}") from None
-        raise UserError(f"{out}: cannot write the tokenizer ({e.strerror or e})") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:
     out: Path = args.out
-    if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out}: already exists (use --overwrite to replace it)")
+    output.claim(out, KIND, COMMAND, overwrite=args.overwrite,
+                 inputs=[("--input", Path(p)) for p in args.input])
     lowest = min_vocab_size(args.kind)
     if args.vocab_size < lowest:
         raise UserError(f"--vocab-size {args.vocab_size}: a {args.kind} vocabulary needs at least "
@@ -169,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--model-max-length {max_len}: must be at least 2")
     corpus = Corpus(args.input, args.include, args.text_key, args.strict)
     tok = train(corpus, args.kind, args.vocab_size, args.min_frequency, args.lowercase)
-    save(wrap(tok, args.kind, max_len), out, args.overwrite)
+    save(wrap(tok, args.kind, max_len), out)
     s = corpus.stats
     replaced = f", {s.replaced_chars} invalid UTF-8 sequences replaced" if s.replaced_chars else ""
     print(f"tokenizer: {args.kind}, vocabulary {tok.get_vocab_size(with_added_tokens=True)} "

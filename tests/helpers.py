@@ -1,6 +1,8 @@
 """Running the real app in tests: `python -m app ...` subprocesses and the `deepspeed` launcher."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -8,6 +10,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,3 +72,29 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines()
             if line.strip() and not line.startswith("[20") and "Warning" not in line
             and "warnings.warn" not in line]
+
+
+# Run a command as root without its capabilities: file permissions then apply as to any user.
+NO_CAPS = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, ro: bool = False):
+    """A real small filesystem (the tests run as root); fails with the reason where mount is
+    denied, rather than skipping what it was meant to show."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if ro else "")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs (the disk-full tests need root): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under `root` and a hash of its bytes: compare before and after a command."""
+    return {str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}

@@ -27,7 +27,7 @@ def parse(*argv: str) -> TrainConfig:
 
 def fill(ds: dict, path: Path, precision: str = "fp32", **kw) -> dict:
     settings = dict(micro_batch=4, grad_accum=2, world_size=1, precision=precision, lr=3e-4,
-                    betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, hidden_size=128,
+                    betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                     pin_memory=False, where=path) | kw
     return fill_auto(ds, **settings)
 
@@ -55,6 +55,18 @@ def test_every_ds_config_resolves_and_deepspeed_parses_it(path):
         assert ds["fp16"]["enabled"] is True and ds["fp16"]["loss_scale"] == 0
     else:
         assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+
+
+@pytest.mark.parametrize("path", DS_FILES, ids=lambda p: p.name)
+def test_bf16_accumulates_in_fp32_where_deepspeed_allows_and_buckets_are_large(path):
+    raw = load_ds_config(path)
+    ds = fill(raw, path, settle_precision(raw, "auto", GPU, path))
+    if ds.get("bf16", {}).get("enabled") and zero_stage(raw) >= 1:
+        assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    else:  # ZeRO-0 refuses the mix (DeepSpeed: "unsupported mix"); fp16 keeps its own
+        assert "data_types" not in ds
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+        assert ds["zero_optimization"].get(key, 5e7) >= 5e7, key
 
 
 def test_switching_zero_stage_is_switching_the_file():
@@ -177,3 +189,17 @@ def test_ranks_come_from_torch_mpi_or_slurm_launchers(env, want):
     adopt_launcher_env(env)
     w = world_from_env(env)
     assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == want
+
+
+@pytest.mark.parametrize("path", DS_FILES, ids=lambda p: p.name)
+def test_cpu_runs_take_torchs_adam_unless_the_optimizer_is_offloaded(path):
+    """DeepSpeed's compiled CPU Adam keeps beta**step as a running product, so a resumed run
+    differs from a straight one in the last bit; torch's AdamW does not (Device.torch_adam)."""
+    raw = load_ds_config(path)
+    ds = fill(raw, path, settle_precision(raw, "auto", CPU, path), torch_adam=CPU.torch_adam)
+    offloaded = "offload" in path.name
+    assert ds["optimizer"]["params"].get("torch_adam", False) is not offloaded
+    assert "torch_adam" not in fill(raw, path, settle_precision(raw, "auto", GPU, path),
+                                    torch_adam=GPU.torch_adam)["optimizer"]["params"]
+    raw = dict(raw, optimizer={"type": "AdamW", "params": {"torch_adam": False}})
+    assert fill(raw, path, "fp32", torch_adam=True)["optimizer"]["params"]["torch_adam"] is False

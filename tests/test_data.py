@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.data import (DataSpec, TokenWindows, build_eval_loader, build_train_loader,
+from app.data import (BatchLayout, DataSpec, TokenWindows, build_eval_loader, build_train_loader,
                       dataset_stats, default_num_workers)
 from app.masking import IGNORE_INDEX
 from app.order import Permutation
@@ -52,7 +52,8 @@ def write_dataset(root: Path, splits: dict[str, list[list[list[int]]]], *,
         "vocab_size": VOCAB, "eod_token_id": SEP, "pad_token_id": PAD,
         "mask_token_id": mask_token_id, "cls_token_id": cls_token_id,
         "tokenizer": {"dir": "tokenizer", "fingerprint": "xxh3_128:0", "files": []},
-        "checksum_algorithm": "xxh3_128", "splits": manifest_splits})
+        "checksum_algorithm": "xxh3_128", "splits": manifest_splits,
+        "fingerprint": "xxh3_128:test"})
     return root
 
 
@@ -83,8 +84,25 @@ def spec(root: Path, **kw) -> DataSpec:
 
 
 def originals(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The unmasked token ids of an MLM batch."""
-    return torch.where(batch["labels"] != IGNORE_INDEX, batch["labels"], batch["input_ids"])
+    """The unmasked token ids of an MLM batch (or sample), from full-length labels or from the
+    loader's masked positions and their labels."""
+    labels = batch["labels"] if "labels" in batch else full_labels(batch)
+    return torch.where(labels != IGNORE_INDEX, labels, batch["input_ids"])
+
+
+def full_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An MLM batch's labels over every position (IGNORE_INDEX where nothing is masked)."""
+    full = torch.full_like(batch["input_ids"], IGNORE_INDEX)
+    for row, pos, labels in zip(full, batch["mlm_positions"], batch["mlm_labels"]):
+        keep = labels != IGNORE_INDEX
+        row[pos[keep]] = labels[keep]
+    return full
+
+
+def in_layout(s: DataSpec, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """TokenWindows samples as the loader hands them to the model (app.data.BatchLayout)."""
+    layout = BatchLayout.of(s)
+    return layout.unpack(layout.pack(samples))
 
 
 def take_batches(loader, count: int) -> list[dict[str, torch.Tensor]]:
@@ -212,9 +230,10 @@ def test_train_loader_batches_are_this_ranks_slices(small_dataset):
     for i, batch in enumerate(batches):
         g, m = divmod(i, 2)  # 2 micro batches per rank per global batch
         positions = [g * 8 + 4 + m * 2, g * 8 + 4 + m * 2 + 1]
-        expected = [ds[p] for p in positions]
-        for key in ("input_ids", "attention_mask", "labels"):
-            assert torch.equal(batch[key], torch.stack([e[key] for e in expected]))
+        expected = in_layout(s, [ds[p] for p in positions])
+        assert batch.keys() == expected.keys() == {"input_ids", "mlm_positions", "mlm_labels"}
+        for key in expected:
+            assert torch.equal(batch[key], expected[key])
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -271,12 +290,14 @@ def test_eval_loader_is_fixed_and_equal_across_ranks(small_dataset):
     again = list(loaders[0])
     for a, b in zip(passes[0], again):
         assert all(torch.equal(a[k], b[k]) for k in a)
-    rows = {tuple(r.tolist()) for p in passes for b in p for r in originals(b)}
-    assert len(rows) == n  # every sample once, padding repeats earlier ones
+    labelled = [tuple(r.tolist()) for p in passes for b in p
+                for r, labels in zip(originals(b), b["mlm_labels"]) if (labels != -100).any()]
+    assert len(labelled) == len(set(labelled)) == n  # every sample exactly once; filler unlabelled
     few = list(build_eval_loader(s, micro_batch=2, dp_rank=0, dp_size=1, max_samples=3,
                                  num_workers=0))
     assert [len(b["input_ids"]) for b in few] == [2, 2]
-    assert torch.equal(few[1]["labels"][1], few[0]["labels"][0])  # wrapped to the start
+    assert torch.equal(few[1]["input_ids"][1], few[0]["input_ids"][0])  # filler: the start again,
+    assert (few[1]["mlm_labels"][1] == -100).all()  # without labels: counted once
 
 
 def test_stats_and_default_workers(small_dataset):
@@ -343,7 +364,9 @@ def real_specials(dataset_dir: Path) -> set[int]:
 
 
 def test_mlm_loader_over_a_prepared_dataset_trains_a_real_bert(mlm_dataset):
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertConfig
+
+    from app.model import SparseHeadBertForMaskedLM
 
     manifest = load_manifest(mlm_dataset)
     s = DataSpec(mlm_dataset, "train", 64, "mlm", seed=1)
@@ -353,7 +376,7 @@ def test_mlm_loader_over_a_prepared_dataset_trains_a_real_bert(mlm_dataset):
                                 consumed_samples=0, num_workers=0)
     batches = take_batches(loader, 25)
     ids = torch.cat([b["input_ids"] for b in batches])
-    labels = torch.cat([b["labels"] for b in batches])
+    labels = torch.cat([full_labels(b) for b in batches])
     sel = labels != IGNORE_INDEX
     original = originals({"input_ids": ids, "labels": labels})
     candidates = ~torch.isin(original, torch.tensor(sorted(specials)))
@@ -363,7 +386,7 @@ def test_mlm_loader_over_a_prepared_dataset_trains_a_real_bert(mlm_dataset):
     assert int(ids.max()) < manifest["vocab_size"]
     config = BertConfig(vocab_size=manifest["vocab_size"], hidden_size=32, num_hidden_layers=1,
                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
-    loss = BertForMaskedLM(config)(**batches[0]).loss
+    loss = SparseHeadBertForMaskedLM(config)(**batches[0]).loss  # a BertForMaskedLM
     assert torch.isfinite(loss) and loss.item() == pytest.approx(np.log(config.vocab_size), rel=0.2)
 
 
@@ -394,8 +417,8 @@ def test_clm_loader_over_a_prepared_dataset_trains_a_real_gpt(clm_dataset):
         g, k = divmod(i, 4)  # rank 1 of 2 reads positions 4..7 of each global batch of 8
         w = ds.sample_index(8 + g * 8 + 4 + k)
         assert row.tolist() == stream[w * 64:(w + 1) * 64].tolist()
-    for b in batches:
-        assert torch.equal(b["labels"], b["input_ids"]) and (b["attention_mask"] == 1).all()
+    for b in batches:  # concat packing: every token attended, so no mask is handed over
+        assert torch.equal(b["labels"], b["input_ids"]) and "attention_mask" not in b
     config = GPT2Config(vocab_size=manifest["vocab_size"], n_embd=32, n_layer=1, n_head=2,
                         n_positions=64)
     loss = GPT2LMHeadModel(config)(**batches[0]).loss
@@ -492,13 +515,14 @@ def test_sentence_split_shards_from_deepspeeds_builder(tmp_path):
 
 def test_packed_hand_off_gives_int64_batches_on_both_paths(mlm_dataset):
     # CPU path: workers hand over an int32 numpy array; the pinning path: an int64 tensor.
-    from app.data import _pack, _pack_pinned, _unpack
-
-    ds = TokenWindows(DataSpec(mlm_dataset, "train", 64, "mlm", seed=3))
+    s = DataSpec(mlm_dataset, "train", 64, "mlm", seed=3)
+    layout = BatchLayout.of(s)
+    ds = TokenWindows(s)
     samples = [ds[i] for i in range(4)]
-    a, b = _unpack(_pack(samples)), _unpack(_pack_pinned(samples))
-    for key in ("input_ids", "attention_mask", "labels"):
-        assert a[key].dtype == b[key].dtype == torch.int64
-        expected = torch.stack([s[key] for s in samples])
-        assert torch.equal(a[key], expected) and torch.equal(b[key], expected)
-    assert (a["labels"] == -100).any()
+    a, b = layout.unpack(layout.pack(samples)), layout.unpack(layout.pack_pinned(samples))
+    for key in layout.keys:
+        assert a[key].dtype == b[key].dtype == torch.int64 and a[key].is_contiguous()
+        assert torch.equal(a[key], b[key])
+    assert torch.equal(a["input_ids"], torch.stack([x["input_ids"] for x in samples]))
+    assert torch.equal(full_labels(a), torch.stack([x["labels"] for x in samples]))
+    assert (a["mlm_labels"] == -100).any()  # padded to a fixed width

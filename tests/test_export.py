@@ -71,5 +71,11 @@ def test_bad_export_inputs(capsys, tmp_path):
     (run / "config.json").write_text(json.dumps({"model": {}}))
     assert export(run, tmp_path / "o") == 2
     err = capsys.readouterr().err
+    assert "config.json: key 'model.preset' is missing" in err and "Traceback" not in err
+    (run / "config.json").write_text(json.dumps({
+        "model": {"preset": "bert-tiny", "objective": "mlm", "parameters": 1,
+                  "config": {"model_type": "bert"}}, "run": {}}))
+    assert export(run, tmp_path / "o") == 2
+    err = capsys.readouterr().err
     assert "no checkpoint" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()

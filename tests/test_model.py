@@ -67,19 +67,31 @@ def test_bad_model_settings(kw, match):
         parse_overrides(["layers"])
 
 
+def masked_positions(labels: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-length labels as the loader hands them over: positions and labels, padded."""
+    pos = torch.zeros(labels.size(0), slots, dtype=torch.long)
+    out = torch.full((labels.size(0), slots), -100, dtype=torch.long)
+    for row, p, o in zip(labels, pos, out):
+        chosen = (row != -100).nonzero().flatten()
+        p[:len(chosen)], o[:len(chosen)] = chosen, row[chosen]
+    return pos, out
+
+
 def test_sparse_mlm_head_gives_the_same_loss_and_gradients():
     config = build_config("bert-tiny", vocab_size=500, special_ids=SPECIAL, dropout=0.0)
     dense = build_model(config, seed=1)
-    sparse = build_model(config, seed=1, sparse_mlm_head=True)
+    sparse = build_model(config, seed=1, for_training=True)
     ids = torch.randint(1, 500, (3, 32))
     labels = torch.where(torch.rand(3, 32) < 0.15, ids, torch.full_like(ids, -100))
+    pos, mlm_labels = masked_positions(labels, 32 * 15 // 100 + 1 + 4)
     a = dense(input_ids=ids, labels=labels).loss
-    b = sparse(input_ids=ids, labels=labels).loss
+    b = sparse(input_ids=ids, mlm_positions=pos, mlm_labels=mlm_labels).loss
     torch.testing.assert_close(a, b)
     a.backward()
     b.backward()
     for p, q in zip(dense.parameters(), sparse.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
-    # without labels it is the plain model (eval, export); no labelled token: loss 0, not NaN
+    # without positions it is the plain model (eval, export); no masked token: loss 0, not NaN
     torch.testing.assert_close(sparse(input_ids=ids).logits, dense(input_ids=ids).logits)
-    assert sparse(input_ids=ids, labels=torch.full_like(ids, -100)).loss.item() == 0.0
+    none = torch.full_like(mlm_labels, -100)
+    assert sparse(input_ids=ids, mlm_positions=pos, mlm_labels=none).loss.item() == 0.0

@@ -3,7 +3,6 @@ token, the split rule, byte-identical output whatever the worker count, shard ca
 every input kind, DeepSpeed reading the shards, every bad input, and the CLI end to end."""
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import math
@@ -24,6 +23,7 @@ from data_tools.indexed import IndexedShard
 from data_tools.manifest import (MANIFEST, dataset_fingerprint, file_checksum, load_manifest,
                                  shard_prefixes, tokenizer_fingerprint)
 from data_tools.prepare import is_val
+from tests.helpers import tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -315,9 +315,10 @@ def test_existing_dataset_is_refused_unless_overwrite(tmp_path, stdlib_dir, word
     assert [p.name for p in stranger.iterdir()] == ["notes.txt"]
 
 
-def test_overwrite_with_the_datasets_own_tokenizer_copy(tmp_path, stdlib_dir, bpe_tokenizer):
-    """The tokenizer copy inside DIR is read before DIR is cleared; weights next to a tokenizer
-    (a model directory) are not copied into the dataset."""
+def test_overwrite_refuses_an_output_holding_an_input(tmp_path, stdlib_dir, bpe_tokenizer,
+                                                     one_line_error):
+    """--overwrite never clears a directory that holds one of the inputs (here the dataset's
+    own tokenizer copy); weights next to a tokenizer (a model directory) are not copied."""
     model_dir = tmp_path / "model"
     shutil.copytree(bpe_tokenizer, model_dir)
     (model_dir / "model.safetensors").write_bytes(b"\0" * 1024)
@@ -327,8 +328,13 @@ def test_overwrite_with_the_datasets_own_tokenizer_copy(tmp_path, stdlib_dir, bp
     assert sorted(p.name for p in (tmp_path / "d" / "tokenizer").iterdir()) == \
         ["tokenizer.json", "tokenizer_config.json"]
     assert prepare(*args, "--tokenizer", tmp_path / "d" / "tokenizer", "--out", tmp_path / "d",
-                   "--overwrite") == 0
+                   "--overwrite") == 2
+    one_line_error(f"--out {tmp_path / 'd'}: contains the input --tokenizer")
     assert shard_bytes(tmp_path / "d") == first
+    assert prepare(*args, "--input", stdlib_dir, "--tokenizer", model_dir,
+                   "--out", stdlib_dir / "out") == 2
+    one_line_error(f"--out {stdlib_dir / 'out'}: lies inside the input --input")
+    assert not (stdlib_dir / "out").exists()
 
 
 @pytest.mark.parametrize("flag,value", [("--val-fraction", "1.5"), ("--workers", "0"),
@@ -339,23 +345,9 @@ def test_bad_flags(tmp_path, stdlib_dir, wordpiece_tokenizer, one_line_error, fl
     one_line_error(f"{flag} {value}")
 
 
-@contextlib.contextmanager
-def tiny_tmpfs(path: Path, size: str):
-    path.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=False)
-
-
 def test_out_of_disk_space_is_one_line_and_leaves_nothing(tmp_path, stdlib_dir,
                                                           wordpiece_tokenizer, one_line_error):
-    with tiny_tmpfs(tmp_path / "mnt", "200k") as mnt:
+    with tmpfs(tmp_path / "mnt", "200k") as mnt:
         out = mnt / "d"
         assert prepare("--input", stdlib_dir, "--include", "*.py", "--tokenizer",
                        wordpiece_tokenizer, "--out", out, "--workers", "1") == 2

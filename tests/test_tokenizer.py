@@ -67,15 +67,28 @@ def test_lowercase_flag_and_jsonl_input(tmp_path):
 def test_existing_output_is_refused_unless_overwrite(stdlib_dir, tmp_path,
                                                      one_line_error):
     out = tmp_path / "tok"
+    args = ["tokenizer", "--input", str(stdlib_dir / "json"), "--include", "*.py",
+            "--out", str(out), "--vocab-size", "300"]
+    assert data_tools_main(args) == 0
+    first = (out / "tokenizer.json").read_bytes()
+    assert data_tools_main(args + ["--vocab-size", "400"]) == 2
+    one_line_error(str(out), "--overwrite")
+    assert (out / "tokenizer.json").read_bytes() == first
+    assert data_tools_main(args + ["--vocab-size", "400", "--overwrite"]) == 0
+    assert (out / "tokenizer.json").read_bytes() != first
+
+
+def test_overwrite_never_replaces_a_directory_it_did_not_make(stdlib_dir, tmp_path,
+                                                              one_line_error):
+    out = tmp_path / "mine"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     args = ["tokenizer", "--input", str(stdlib_dir / "json"), "--include", "*.py",
             "--out", str(out), "--vocab-size", "300"]
-    assert data_tools_main(args) == 2
-    one_line_error(str(out), "--overwrite")
-    assert (out / "keep.txt").read_text() == "mine"
-    assert data_tools_main(args + ["--overwrite"]) == 0
-    assert (out / "tokenizer.json").is_file() and not (out / "keep.txt").exists()
+    for extra in ([], ["--overwrite"]):
+        assert data_tools_main(args + extra) == 2
+        one_line_error(str(out), "not a tokenizer directory")
+        assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
 
 
 @pytest.mark.parametrize("extra,needles", [

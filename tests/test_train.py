@@ -166,8 +166,8 @@ def test_plan_settles_the_run_before_any_process_group(mlm_dataset, tmp_path):
     ds = plan.ds_config
     assert ds["train_batch_size"] == 16 and ds["zero_optimization"]["stage"] == 2
     assert ds["optimizer"]["params"]["lr"] == 3e-4 and ds["bf16"]["enabled"] is False
-    assert plan.model_config.vocab_size == json.loads(
-        (mlm_dataset / "dataset.json").read_text())["vocab_size"]
+    vocab = json.loads((mlm_dataset / "dataset.json").read_text())["vocab_size"]
+    assert (vocab, plan.model_config.vocab_size) == (2000, 2048)  # padded to a multiple of 128
     assert not (tmp_path / "r").exists()
 
 
@@ -206,7 +206,8 @@ def test_resuming_an_older_tag_beside_later_ones_is_refused(tmp_path):
         (tmp_path / f"global_step{step}").mkdir()
     assert tags_after(tmp_path, "global_step100") == ["global_step200", "global_step300"]
     assert tags_after(tmp_path, "global_step300") == []
-    assert tags_after(tmp_path, "custom") == [] and tags_after(tmp_path / "no", "global_step1") == []
+    assert tags_after(tmp_path, "custom") == []
+    assert tags_after(tmp_path / "no", "global_step1") == []
 
 
 def test_resume_beside_later_checkpoints_exits_2(capsys, mlm_run, mlm_dataset, tmp_path):

@@ -1,0 +1,224 @@
+"""Right on the first GPU run, shown on CPU: bf16 runs export their fp32 masters and the check
+still catches a wrong weight, bf16 gradients accumulate in fp32 where DeepSpeed allows it, a
+training step syncs the host nowhere, a skipped step keeps the LR schedule on the step counter,
+staging happens before the process group, and the knobs that only matter on GPUs are set."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from app.device import Device, attention_implementation, set_cpu_threads
+from app.model import build_config, build_model, optimizer_groups
+from app.trainer import token_sums
+from tests.helpers import REPO, TINY, check, clean_env, run_app
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(mlm_dataset, tmp_path_factory):
+    """10 bf16 steps of bert-tiny at ZeRO-0, 1 and 3 (one rank each), each exported: ZeRO-0
+    keeps its masters flat, ZeRO-1 in BF16_Optimizer partitions, ZeRO-3 in ZeRO's own."""
+    root = tmp_path_factory.mktemp("bf16")
+    runs = {}
+    for zero in (0, 1, 3):
+        run = root / f"zero{zero}"
+        # DeepSpeed's fused Adam, as on an accelerator (on CPU the app picks torch's AdamW)
+        ds = json.loads((REPO / "ds_configs" / f"zero{zero}.json").read_text())
+        ds["optimizer"]["params"]["torch_adam"] = False
+        (root / f"zero{zero}.json").write_text(json.dumps(ds))
+        proc = check(run_app("train", "--data", mlm_dataset, "--out", run, *TINY,
+                             "--micro-batch", "8", "--max-steps", "10", "--precision", "bf16",
+                             "--ds-config", root / f"zero{zero}.json"))
+        check(run_app("export", run, "--out", root / f"hf{zero}"))
+        runs[zero] = (run, root / f"hf{zero}", proc.stderr)
+    return runs
+
+
+def _exported(hf: Path) -> dict[str, torch.Tensor]:
+    return load_file(hf / "model.safetensors")
+
+
+def test_bf16_zero0_exports_the_fp32_masters(bf16_runs):
+    run, hf, _ = bf16_runs[0]
+    tag = run / "checkpoints" / "global_step10"
+    saved = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                       weights_only=False)
+    flat = saved["optimizer"]["fp32_groups_flat"]  # DeepSpeed keeps the masters flattened
+    groups = json.loads((tag / "train_state.json").read_text())["flat_master_groups"]
+    exported = _exported(hf)
+    name = groups[0][0]
+    master = flat[0][:exported[name].numel()].view_as(exported[name])
+    assert torch.equal(exported[name], master)
+    assert not torch.equal(exported[name], saved["module"][name].float())  # not the bf16 copy
+    assert not torch.equal(master, master.to(torch.bfloat16).float())
+
+
+def test_bf16_zero1_exports_the_fp32_masters(bf16_runs):
+    run, hf, _ = bf16_runs[1]
+    tag = run / "checkpoints" / "global_step10"
+    part = torch.load(next(tag.glob("bf16_zero_pp_rank_0_*optim_states.pt")),
+                      map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    shapes = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)["param_shapes"][0]
+    name, shape = next(iter(shapes.items()))
+    master = part["single_partition_of_fp32_groups"][0][:shape.numel()].view(shape)
+    assert torch.equal(_exported(hf)[name], master)
+    assert not torch.equal(master, master.to(torch.bfloat16).float())
+
+
+def test_exports_keep_the_tokenizers_vocabulary(bf16_runs, mlm_dataset):
+    from transformers import AutoModelForMaskedLM
+
+    vocab = json.loads((mlm_dataset / "dataset.json").read_text())["vocab_size"]
+    run, hf, _ = bf16_runs[0]
+    trained = json.loads((run / "config.json").read_text())["model"]["config"]["vocab_size"]
+    assert (vocab, trained) == (2000, 2048)  # padded for the tensor cores while training
+    model = AutoModelForMaskedLM.from_pretrained(hf)
+    assert model.config.vocab_size == vocab
+    assert model(input_ids=torch.tensor([[2, 50, 3]])).logits.shape[-1] == vocab
+
+
+def test_the_export_check_still_catches_a_wrong_weight(bf16_runs, tmp_path):
+    import shutil
+
+    run = Path(shutil.copytree(bf16_runs[0][0], tmp_path / "run"))
+    path = run / "checkpoints" / "global_step10" / "mp_rank_00_model_states.pt"
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    with torch.no_grad():  # the masters read at a wrong offset, as an unflattening bug would
+        flat = saved["optimizer"]["fp32_groups_flat"][0]
+        flat.copy_(flat.roll(128))
+    torch.save(saved, path)
+    proc = run_app("export", run, "--out", tmp_path / "hf")
+    assert proc.returncode == 2 and "differ from the run's" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "hf").exists()
+
+
+def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_allows(bf16_runs):
+    engines = {z: json.loads((run / "config.json").read_text()) for z, (run, _, _) in
+               bf16_runs.items()}
+    assert engines[3]["ds_config"]["data_types"] == {"grad_accum_dtype": "fp32"}
+    one = engines[1]
+    assert one["ds_config"]["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert one["engine"]["optimizer"] == "BF16_Optimizer"
+    assert one["engine"]["grad_accum_dtype"] == "torch.float32"
+    assert one["engine"]["model_dtype"] == "torch.bfloat16"
+    zero = engines[0]  # DeepSpeed refuses the mix at ZeRO-0: said at start-up
+    assert zero["engine"]["grad_accum_dtype"] == "torch.bfloat16"
+    assert "bf16 at ZeRO-0 accumulates and all-reduces gradients in bf16" in bf16_runs[0][2]
+
+
+def test_bf16_without_a_stage_defaults_to_zero1(mlm_dataset, tmp_path):
+    from app.config import TrainConfig
+    from app.engine import World
+    from app.train import plan_run
+
+    cpu_bf16 = Device("cpu", "gloo", False, True, False)
+    cfg = TrainConfig(data=mlm_dataset, out=tmp_path / "r", precision="bf16")
+    plan = plan_run(cfg, cpu_bf16, World(0, 1, 0, 1))
+    assert plan.ds_path.name == "zero1.json" and plan.ds_config["data_types"]["grad_accum_dtype"]
+    plan = plan_run(TrainConfig(data=mlm_dataset, out=tmp_path / "r"), cpu_bf16,
+                    World(0, 1, 0, 1))
+    assert plan.ds_path.name == "zero0.json" and plan.precision == "fp32"
+
+
+def _probe(*args) -> dict:
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "step_probe.py"), *map(str, args)],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+@pytest.mark.parametrize("objective", ["mlm", "clm"])
+def test_a_training_step_never_syncs_the_host(mlm_dataset, clm_dataset, tmp_path, objective):
+    """Forward, backward and DeepSpeed's step (ZeRO-0, concat packing): no nonzero, no item, no
+    _local_scalar_dense. (ZeRO 1-3 add one of DeepSpeed's own: its inf/NaN check of the norm.)"""
+    data = mlm_dataset if objective == "mlm" else clm_dataset
+    (tmp_path / "run").mkdir()
+    assert _probe("syncs", data, tmp_path / "run", objective, 0) == {}
+
+
+def test_a_skipped_step_keeps_the_schedule_on_the_step_counter(mlm_dataset, tmp_path):
+    (tmp_path / "run").mkdir()
+    result = _probe("skip", mlm_dataset, tmp_path / "run", "mlm", 0)
+    assert result["skipped_steps"] == 1
+    assert result["lrs"] == pytest.approx(result["schedule"])
+
+
+def test_staging_happens_before_the_process_group(mlm_dataset, tmp_path):
+    """A copy may take longer than any collective's timeout: it runs before the group exists."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import importlib.abc, importlib.util, json, os, sys\n"
+        "class Spy(importlib.abc.MetaPathFinder):  # notes whether the group exists at stage()\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name != 'data_tools.stage':\n"
+        "            return None\n"
+        "        sys.meta_path.remove(self)\n"
+        "        spec = importlib.util.find_spec(name)\n"
+        "        load = spec.loader.exec_module\n"
+        "        def exec_module(module):\n"
+        "            load(module)\n"
+        "            real = module.stage\n"
+        "            def stage(*a, **k):\n"
+        "                import torch.distributed as dist\n"
+        "                with open(os.environ['STAGE_LOG'], 'a') as f:\n"
+        "                    f.write(json.dumps(dist.is_initialized()) + '\\n')\n"
+        "                return real(*a, **k)\n"
+        "            module.stage = stage\n"
+        "        spec.loader.exec_module = exec_module\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, Spy())\n")
+    log = tmp_path / "stage.log"
+    env = clean_env(PYTHONPATH=f"{hook}{os.pathsep}{REPO}", STAGE_LOG=str(log))
+    check(run_app("train", "--data", mlm_dataset, "--out", tmp_path / "run", *TINY,
+                  "--max-steps", "2", "--stage-to", tmp_path / "local", "--dist-timeout", "5",
+                  env=env))
+    assert log.read_text().split() == ["false"]
+    assert (tmp_path / "local" / "dataset.json").is_file()
+
+
+def test_gpu_knobs():
+    gpu = Device("cuda", "nccl", True, True, True)
+    # flash-attention only where transformers finds a version it takes, never with padding
+    assert attention_implementation("auto", gpu, "bf16", "doc") == "sdpa"
+    assert attention_implementation("auto", gpu, "fp32", "concat") == "sdpa"
+    # threads: the cores shared by the node's ranks on every kind of device
+    env = {"LOCAL_WORLD_SIZE": "8"}
+    threads = set_cpu_threads(gpu, env)
+    assert threads == max(1, len(os.sched_getaffinity(0)) // 8)
+    assert set_cpu_threads(gpu, {"OMP_NUM_THREADS": "3"}) is None
+
+
+def test_no_weight_decay_on_biases_norms_and_embeddings():
+    for name in ("bert-tiny", "gpt-tiny", "llama-tiny"):
+        model = build_model(build_config(name, vocab_size=300, special_ids={}))
+        decay, other = optimizer_groups(model, 0.1)
+        names = {id(p): n for n, p in model.named_parameters()}
+        assert decay["weight_decay"] == 0.1 and other["weight_decay"] == 0.0
+        decayed = {names[id(p)] for p in decay["params"]}
+        assert decayed and all(p.ndim == 2 for p in decay["params"])
+        assert not any("embed" in n or "wte" in n or "wpe" in n or "norm" in n.lower()
+                       or "bias" in n for n in decayed), decayed
+        assert len(decay["params"]) + len(other["params"]) == len(set(names))
+
+
+def test_eval_sums_in_chunks_equal_the_whole():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10, 50)
+    labels = torch.randint(0, 50, (3, 10))
+    labels[0, :4] = -100
+    for objective in ("mlm", "clm"):
+        whole = token_sums(logits, labels, objective, chunk_rows=10_000)
+        # float32 sums in another order: equal to a few ulps
+        torch.testing.assert_close(token_sums(logits, labels, objective, chunk_rows=7), whole,
+                                   rtol=1e-6, atol=1e-5)

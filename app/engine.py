@@ -295,7 +295,28 @@ def init_distributed(device: Device, timeout_minutes: float = 30.0) -> World:
     load_op("ShareMemCommBuilder")
     deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False,
                                timeout=timedelta(minutes=timeout_minutes))
-    return world_from_env()
+    world = world_from_env()
+    unlink_shm_buffer(world)
+    return world
+
+
+def unlink_shm_buffer(world: World, shm: Path = Path("/dev/shm")) -> None:
+    """Remove the name of this rank's shared-memory all-reduce buffer, once every rank has it.
+
+    On the CPU accelerator with all ranks on one node, DeepSpeed's shm op gives each rank a
+    /dev/shm file (~70 MB) that every other rank maps while the group starts, and never removes
+    it: each run left 70 MB per rank of RAM behind, until the machine ran out. After a barrier all
+    ranks hold their mappings, so the name can go now (the memory lives until the last unmap),
+    and nothing is left even when a rank is killed later.
+    """
+    name = shm / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}"
+                  f"_{os.environ.get('MASTER_PORT', '')}_{world.rank}")
+    if world.world_size > 1 and world.local_world_size == world.world_size:
+        torch.distributed.barrier()
+    try:
+        name.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _optimizer_op(ds_config: dict[str, Any]) -> str | None:

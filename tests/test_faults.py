@@ -82,10 +82,20 @@ def test_stop_policy_stops_with_the_evidence(mlm_dataset, tmp_path):
 
 def _launch(args: list, env: dict) -> subprocess.Popen:
     launcher = str(Path(sys.executable).parent / "deepspeed")
-    return subprocess.Popen([launcher, "--num_gpus", "2", "--no_local_rank", "--master_port",
-                             str(free_port()), "--module", "app", *map(str, args)], cwd=REPO,
+    port = free_port()
+    proc = subprocess.Popen([launcher, "--num_gpus", "2", "--no_local_rank", "--master_port",
+                             str(port), "--module", "app", *map(str, args)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    proc.master_port = port
+    return proc
+
+
+def _shm_left(*procs: subprocess.Popen) -> list[Path]:
+    """DeepSpeed's /dev/shm all-reduce buffers of these jobs still there (app.engine unlinks
+    them once the group is up, so not even a killed rank leaves its ~70 MB behind)."""
+    return [p for proc in procs
+            for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{proc.master_port}_*")]
 
 
 def _ranks(out: Path) -> list[int]:
@@ -136,14 +146,15 @@ def test_sigkill_of_a_rank_then_resume_gives_bit_identical_weights(mlm_dataset, 
     full, crash = tmp_path / "full", tmp_path / "crash"
     proc = _launch(args + ["--out", full], clean_env())
     assert proc.wait(timeout=900) == 0, proc.stdout.read()[-3000:]
-    proc = _launch(args + ["--out", crash], clean_env())
-    _wait_for_step(crash, 17, proc)
+    killed = _launch(args + ["--out", crash], clean_env())
+    _wait_for_step(crash, 17, killed)
     os.kill(_ranks(crash)[-1], signal.SIGKILL)
-    proc.communicate(timeout=300)
-    assert proc.returncode != 0  # the launcher ended the job: no hung peer
-    proc = _launch(args + ["--out", crash], clean_env())
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
+    killed.communicate(timeout=300)
+    assert killed.returncode != 0  # the launcher ended the job: no hung peer
+    resumed = _launch(args + ["--out", crash], clean_env())
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    assert _shm_left(proc, killed, resumed) == []
     for name in ("full", "crash"):
         check(run_app("export", tmp_path / name, "--out", tmp_path / f"hf_{name}"))
     from safetensors.torch import load_file

@@ -343,6 +343,7 @@ def load_op(builder_name: str) -> None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
+    _own_extensions_dir()
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return
@@ -365,6 +366,24 @@ def load_op(builder_name: str) -> None:
                   f"building DeepSpeed's {builder.NAME} op", file=sys.stderr, flush=True)
             stale.unlink(missing_ok=True)
         builder.load(verbose=False)
+
+
+def _own_extensions_dir() -> None:
+    """Build DeepSpeed's JIT ops in a directory of this installation's own (unless the user set
+    TORCH_EXTENSIONS_DIR): torch's default is shared by every environment with the same Python,
+    so two virtualenvs with their own DeepSpeed rebuilt each other's ops on every start (a minute
+    or more each)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    import hashlib
+
+    import deepspeed
+    from torch.utils.cpp_extension import get_default_build_root
+
+    install = f"{deepspeed.__file__}|{deepspeed.__version__}|{torch.__version__}"
+    tag = hashlib.sha256(install.encode()).hexdigest()[:10]
+    version = f"py{sys.version_info.major}{sys.version_info.minor}"
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(get_default_build_root()) / f"{version}-{tag}")
 
 
 def shutdown() -> None:

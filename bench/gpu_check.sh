@@ -87,7 +87,7 @@ for zero in 0 1 2 3; do
 done
 
 # exact resume: stop halfway, resume, and compare with the uninterrupted ZeRO-1 run step by step
-half=$(( steps / 2 ))
+half=$(( (steps / 4) * 2 ))  # on a log step (--log-every 2): the logged losses average the same steps
 if [ "$half" -ge 1 ] && train resume "$procs" --zero 1 --max-steps "$steps" --stop-at-step "$half" --resume never --overwrite \
    && train resume "$procs" --zero 1 --max-steps "$steps" --resume auto; then
   if "$PYTHON" - "$work" <<'PY'

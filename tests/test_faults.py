@@ -212,6 +212,9 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(tmp_
     it, and without app.engine.load_op every later start on the node would wait for ever."""
     from torch.utils.cpp_extension import _get_build_directory
 
+    from app.engine import _own_extensions_dir
+
+    _own_extensions_dir()  # the directory the app builds in (TORCH_EXTENSIONS_DIR from now on)
     code = ("from app.engine import load_op; load_op('ShareMemCommBuilder');"
             "load_op('FusedAdamBuilder'); print('loaded')")
     check(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),

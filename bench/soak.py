@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def prepare_default(work: Path) -> Path:
         corpus.mkdir(parents=True)
         for name in ("json", "email", "asyncio", "logging", "unittest"):
             for src in sorted((stdlib / name).glob("*.py")):
-                (corpus / f"{name}_{src.name}").write_bytes(src.read_bytes())
+                (corpus / f"{name}_{src.stem}.txt").write_bytes(src.read_bytes())
     tok = work / "tok"
     run = [sys.executable, "-m", "data_tools"]
     if not (tok / "tokenizer.json").is_file():
@@ -106,7 +107,11 @@ def main() -> int:
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false")
     launcher = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--no_local_rank", "--module", "app", "train",
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [launcher, "--num_gpus", "2", "--no_local_rank", "--master_port", str(port),
+           "--module", "app", "train",
            "--data", str(data), "--out", str(run), "--model", "bert-tiny", "--seq-len", "64",
            "--micro-batch", "4", "--max-steps", str(args.steps), "--save-every",
            str(args.save_every), "--keep-last", "2", "--log-every", "50", "--eval-every", "500",

@@ -213,6 +213,7 @@ class IndexedShard:
         self.bin_bytes = bin_bytes
         self._idx_mm = None
         self._bin_mm = None
+        self.code = code
         self.dtype = self._resolve_dtype(code, ip)  # may read the sizes (code 8)
 
     def _resolve_dtype(self, code: int, ip: Path) -> np.dtype:

@@ -210,18 +210,16 @@ class Preparer:
         self.documents = 0
         self.tokens = 0
         self.position: Position | None = None  # the input after the last document written
-        self.checkpoint: dict[str, Any] | None = None  # the last journal line, if any
-        self.completed_at_checkpoint: dict[str, int] = {}
+        self.tokens_before = 0  # written by the runs this one continues
         self._doc_split: SplitWriter | None = None
         self.last_writer: SplitWriter | None = None  # names the file in a disk-full error
 
     def restore(self, point: ResumePoint) -> None:
-        """Continue from the checkpoint of an interrupted run (kept even if this fails)."""
-        self.checkpoint = point.last
-        self.completed_at_checkpoint = {s: len(v) for s, v in point.shards.items()}
+        """Continue from the checkpoint of an interrupted run."""
         for name, w in self.writers.items():
             w.restore(point.shards[name], point.open[name])
         self.documents, self.tokens = point.last["documents"], point.last["tokens"]
+        self.tokens_before = self.tokens
         self.position = point.position
 
     def write(self, flat: np.ndarray, lengths: np.ndarray, lasts: list[bool],
@@ -250,14 +248,13 @@ class Preparer:
 
     def _checkpoint(self, split: str, closed: dict[str, Any]) -> None:
         """Between two documents, a shard just closed: record where a resume would start."""
-        self.checkpoint = {
+        checkpoint = {
             "closed": {"split": split, "shard": closed},
             "documents": self.documents, "tokens": self.tokens,
             "position": self.position.to_json(),
             "open": {name: w.open_entry() for name, w in self.writers.items()}}
         output.fsync_dir(self.out)  # the new shard files' names, before the journal says so
-        self.journal.record(self.checkpoint)
-        self.completed_at_checkpoint = {s: len(w.shards) for s, w in self.writers.items()}
+        self.journal.record(checkpoint)  # the commit point
 
     def tokenize_all(self, progress) -> None:
         """Tokenize the corpus and write it, in input order; `progress` (a tqdm-like bar over
@@ -308,13 +305,17 @@ class Preparer:
         everything this run made (False)."""
         for w in self.writers.values():
             w.close()
-        if self.checkpoint is None:
+        try:
+            point = self.journal.load()  # what is committed is what the journal says
+        except UserError:
+            return True  # unreadable: keep everything for the user to look at
+        if point is None:
             for w in self.writers.values():
                 w.remove_created()
             self.journal.remove()
             shutil.rmtree(self.out / mf.TOKENIZER_DIR, ignore_errors=True)
             return False
-        discard_uncommitted(self.out, self.completed_at_checkpoint, self.checkpoint["open"])
+        discard_uncommitted(self.out, {s: len(v) for s, v in point.shards.items()}, point.open)
         return True
 
 
@@ -434,25 +435,31 @@ def run(args: argparse.Namespace) -> int:
         return 0
     created_out, point = _prepare_out_dir(cfg, key, inputs)
     p = Preparer(cfg, tok, corpus)
-    ok = False
     try:
         m = _prepare(p, point, inputs, t0)
-        ok = True
-    except OSError as e:
-        raise output.write_error(e, _current_path(p)) from None
-    except UserError as e:
-        if p.checkpoint is None:
-            raise
-        raise UserError(f"{e} [{_kept(p)}]") from None
-    except KeyboardInterrupt:
-        if p.checkpoint is not None:
-            print(f"prepare: {_kept(p)}", file=sys.stderr, flush=True)
-        raise
-    finally:
-        if not ok and not p.stop() and created_out:
+    except BaseException as e:  # noqa: BLE001 - every failure decides what stays; re-raised
+        kept = p.stop()
+        if not kept and created_out:
             shutil.rmtree(cfg.out, ignore_errors=True)
-    _summary(m, time.perf_counter() - t0)
+        raise _failure(e, p, kept) from None
+    _summary(m, p.tokens - p.tokens_before, time.perf_counter() - t0)
     return 0
+
+
+def _failure(e: BaseException, p: Preparer, kept: bool) -> BaseException:
+    """What to raise after `e` stopped the run: a write error as one line, and, when completed
+    shards stay, how to continue."""
+    kept_note = (f"{sum(len(w.shards) for w in p.writers.values())} completed shards kept in "
+                 f"{p.out}; rerun the same command with --resume to continue")
+    if isinstance(e, KeyboardInterrupt):
+        if kept:
+            print(f"prepare: {kept_note}", file=sys.stderr, flush=True)
+        return e
+    if isinstance(e, OSError):
+        e = output.write_error(e, _current_path(p)) or e
+    if isinstance(e, UserError) and kept:
+        return UserError(f"{e} [{kept_note}]")
+    return e
 
 
 def _prepare(p: Preparer, point: ResumePoint | None, inputs: list[dict[str, Any]],
@@ -461,7 +468,7 @@ def _prepare(p: Preparer, point: ResumePoint | None, inputs: list[dict[str, Any]
     cfg, corpus = p.cfg, p.corpus
     if point is not None:
         p.restore(point)
-        discard_uncommitted(cfg.out, p.completed_at_checkpoint, point.open)
+        discard_uncommitted(cfg.out, {s: len(v) for s, v in point.shards.items()}, point.open)
         _resume_note(p, point)
         shutil.rmtree(cfg.out / mf.TOKENIZER_DIR, ignore_errors=True)
     p.journal.begin(p.cfg.output_key(p.tok), inputs, point)
@@ -481,12 +488,6 @@ def _prepare(p: Preparer, point: ResumePoint | None, inputs: list[dict[str, Any]
     return m
 
 
-def _kept(p: Preparer) -> str:
-    n = sum(len(w.shards) for w in p.writers.values())
-    return (f"{n} completed shards kept in {p.out}; rerun the same command with --resume to "
-            f"continue from there")
-
-
 def _resume_note(p: Preparer, point: ResumePoint) -> None:
     pos = point.position
     split_text = ", ".join(f"{k} {len(v)}" for k, v in point.shards.items() if v)
@@ -499,7 +500,8 @@ def _current_path(p: Preparer) -> Path:
     return p.last_writer.path if p.last_writer is not None else p.out
 
 
-def _summary(m: dict[str, Any], seconds: float) -> None:
+def _summary(m: dict[str, Any], tokens: int, seconds: float) -> None:
+    """The result in one line; `tokens` and `seconds` are this run's (a resume's are fewer)."""
     s = m["source"]
     notes = (f", {s['replaced_invalid_utf8']} invalid UTF-8 sequences replaced"
              if s["replaced_invalid_utf8"] else "")
@@ -509,7 +511,7 @@ def _summary(m: dict[str, Any], seconds: float) -> None:
     print(f"prepared {m['documents']} documents, {m['tokens']} tokens ({split_text}); "
           f"input {m['input_bytes'] / 1e6:.2f} MB -> output {m['output_bytes'] / 1e6:.2f} MB "
           f"({_change(m['size_reduction_pct'])}, {m['dtype']}); {seconds:.1f} s, "
-          f"{m['tokens'] / max(seconds, 1e-9):,.0f} tokens/s{notes}", flush=True)
+          f"{tokens / max(seconds, 1e-9):,.0f} tokens/s{notes}", flush=True)
 
 
 def _change(reduction_pct: float) -> str:

@@ -229,8 +229,9 @@ class IndexedShard:
                 return np.dtype(np.uint16)
             if total * 8 == self.bin_bytes:
                 return np.dtype(np.uint64)
-            raise FormatError(f"{ip}: dtype code 8 fits neither uint16 nor uint64 for the .bin "
-                              f"size")
+            raise FormatError(f"{bin_path(self.prefix)}: {self.bin_bytes} bytes, the index "
+                              f"holds {total} tokens (dtype code 8: 2 bytes each in Megatron-LM, "
+                              f"8 in DeepSpeed): truncated, or not this index's .bin")
         raise FormatError(f"{ip}: unknown dtype code {code}")
 
     # -- lazily opened memmaps (not pickled: each DataLoader worker maps its own) --------------

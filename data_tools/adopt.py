@@ -21,7 +21,7 @@ import errno
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from data_tools import manifest as mf
 from data_tools import output
-from data_tools.cli import config_flags
+from data_tools.cli import config_flags, from_args
 from data_tools.errors import UserError
 from data_tools.indexed import FormatError, IndexedShard, bin_path, idx_path
 from data_tools.prepare import is_dataset_file
@@ -62,11 +62,6 @@ class AdoptConfig:
 
     def __post_init__(self) -> None:
         self.tokenizer, self.out = Path(self.tokenizer), Path(self.out)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "AdoptConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def command(self) -> str:
         parts = ["python", "-m", "data_tools", "adopt", *self.prefix, "--tokenizer",
@@ -221,7 +216,7 @@ def adopt_into(tmp: Path, cfg: AdoptConfig, tok: TokenizerInfo,
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = AdoptConfig.from_args(args)
+    cfg = from_args(AdoptConfig, args)
     tok = TokenizerInfo(cfg.tokenizer)
     prefixes = {"train": shard_prefixes(cfg.prefix, "PREFIX"),
                 "val": shard_prefixes(cfg.val, "--val")}

@@ -129,7 +129,6 @@ def _text(read: FileRead) -> Iterator[Record]:
     path = read.path
     decoder = codecs.getincrementaldecoder("utf-8")(errors=read.errors)
     buf = ""
-    emitted = False
     with open(path, "rb") as f:
         while True:
             raw = f.read(READ_BYTES)
@@ -148,7 +147,6 @@ def _text(read: FileRead) -> Iterator[Record]:
             while len(buf) > read.piece_chars:
                 cut = cut_point(buf, read.piece_chars)
                 yield buf[:cut], False, 0
-                emitted = True
                 buf = buf[cut:]
             if not raw:
                 break

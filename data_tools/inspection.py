@@ -18,7 +18,6 @@ from data_tools.errors import UserError
 from data_tools.indexed import FormatError, IndexedShard
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, help="dataset directory (holds dataset.json)")
     p.add_argument("--verify", action="store_true",

@@ -34,7 +34,7 @@ from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import closing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import chain
 from pathlib import Path
@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from data_tools import manifest as mf
 from data_tools import output
-from data_tools.cli import config_flags, finite_float, flag
+from data_tools.cli import config_flags, finite_float, flag, from_args
 from data_tools.corpus import DEFAULT_INCLUDE, PIECE_CHARS, Corpus, Position
 from data_tools.errors import UserError
 from data_tools.resume import (Journal, ResumePoint, check_resumable, discard_uncommitted,
@@ -112,11 +112,6 @@ class PrepareConfig:
                             f"{', '.join(DTYPE_CODES)}")
         if self.resume and self.overwrite:
             raise UserError("--resume and --overwrite: choose one (--overwrite starts over)")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "PrepareConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def command(self) -> str:
         """The command line that makes this dataset again."""
@@ -424,7 +419,7 @@ def build_manifest(p: Preparer, splits: dict[str, Any], tok_files: list[dict[str
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = PrepareConfig.from_args(args)
+    cfg = from_args(PrepareConfig, args)
     t0 = time.perf_counter()
     corpus = Corpus(cfg.input, cfg.include, cfg.text_key, cfg.strict, cfg.piece_chars)
     tok = TokenizerInfo(cfg.tokenizer)

@@ -107,7 +107,7 @@ def test_empty_documents_take_no_index(tmp_path, texts, wordpiece_tokenizer):
     args = ["--tokenizer", wordpiece_tokenizer, "--val-fraction", "0.3", "--workers", "1"]
     full = write_jsonl(tmp_path / "full.jsonl", texts)
     (tmp_path / "dir").mkdir()
-    none = write_jsonl(tmp_path / "dir" / "b.jsonl", [t for t in texts if t])
+    write_jsonl(tmp_path / "dir" / "b.jsonl", [t for t in texts if t])
     (tmp_path / "dir" / "a.txt").write_text("")  # an empty text file is an empty document
     assert prepare("--input", full, "--out", tmp_path / "a", *args) == 0
     assert prepare("--input", tmp_path / "dir", "--out", tmp_path / "b", *args) == 0

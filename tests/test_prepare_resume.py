@@ -177,9 +177,8 @@ def test_resume_after_fixing_a_later_input(interrupted, tmp_path):
     assert load_manifest(out)["source"] == load_manifest(tmp_path / "whole")["source"]
 
 
-def test_resume_with_nothing_to_resume_or_already_complete(tmp_path, stdlib_dir,
-                                                          wordpiece_tokenizer, capsys,
-                                                          one_line_error):
+def test_resume_with_nothing_to_resume_or_already_complete(
+        tmp_path, stdlib_dir, wordpiece_tokenizer, capsys, one_line_error):
     args = ["--input", stdlib_dir / "json", "--include", "*.py", "--tokenizer",
             wordpiece_tokenizer, "--workers", "1", "--out", tmp_path / "d"]
     assert prepare(*args, "--resume") == 0  # a job script may always pass --resume

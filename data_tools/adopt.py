@@ -248,7 +248,8 @@ def _report(cfg: AdoptConfig, m: dict[str, Any], shards: dict[str, list[IndexedS
     hows = sorted({s["placed"] for s in entries})
     split_text = ", ".join(f"{k} {v['documents']} docs / {v['tokens']} tokens"
                            for k, v in m["splits"].items())
-    print(f"adopted {len(entries)} shards ({split_text}) into {cfg.out}: "
+    print(f"adopted {len(entries)} shard{'s' * (len(entries) != 1)} ({split_text}) into "
+          f"{cfg.out}: "
           f"{' and '.join(h + 's' if h != 'copy' else 'copies' for h in hows)}; {m['dtype']}, "
           f"vocabulary {m['vocab_size']}, tokenizer {m['tokenizer']['fingerprint']}", flush=True)
     if "symlink" in hows:

@@ -282,15 +282,15 @@ def _parquet(read: FileRead) -> Iterator[Record]:
 
     row = 0
     try:
-        pf = pq.ParquetFile(read.path)
-        _check_column(read, pf.schema_arrow, "Parquet")
-        total, size = max(pf.metadata.num_rows, 1), read.path.stat().st_size
-        for batch in pf.iter_batches(batch_size=_ROWS, columns=[read.text_key],
-                                     use_threads=False):
-            column = batch.column(0)
-            yield from _rows(read, column, row)
-            row += len(column)
-            read.pos = size * row // total
+        with pq.ParquetFile(read.path) as pf:
+            _check_column(read, pf.schema_arrow, "Parquet")
+            total, size = max(pf.metadata.num_rows, 1), read.path.stat().st_size
+            for batch in pf.iter_batches(batch_size=_ROWS, columns=[read.text_key],
+                                         use_threads=False):
+                column = batch.column(0)
+                yield from _rows(read, column, row)
+                row += len(column)
+                read.pos = size * row // total
     except (pa.ArrowException, OSError) as e:
         if isinstance(e, OSError) and e.errno:
             raise  # the filesystem's (permission, I/O), not the file's

@@ -360,8 +360,10 @@ def _prepare_out_dir(cfg: PrepareConfig, key: dict[str, Any], inputs: list[dict[
 
 def is_dataset_file(p: Path) -> bool:
     """Files a prepare run writes (its leftovers may be replaced), or an adopt run's marker."""
-    if p.name in (mf.MANIFEST, mf.TOKENIZER_DIR, output.MARKER) or is_journal_file(p.name):
+    if p.name in (mf.MANIFEST, mf.TOKENIZER_DIR) or is_journal_file(p.name):
         return True
+    if p.name == output.MARKER:
+        return output.marked_as(p.parent) == "dataset"
     if p.name.startswith(f".{mf.MANIFEST}.") and p.name.endswith(".tmp"):
         return True
     parsed = shard_file(p.name)
@@ -374,9 +376,11 @@ def _already_complete(cfg: PrepareConfig, key: dict[str, Any],
     made it (nothing left to do), an error when it was made from other inputs or settings."""
     if not (cfg.out / mf.MANIFEST).is_file():
         return None
-    output.check_apart(cfg.out, [("--input", p) for p in cfg.input])
+    output.check_apart(cfg.out, [("--input", p) for p in cfg.input] +
+                       [("--tokenizer", cfg.tokenizer)])
     m = mf.load_manifest(cfg.out)
-    reason = key_difference(m.get("prepare_key") or {}, key)
+    reason = key_difference(m["prepare_key"], key) if "prepare_key" in m else \
+        "it records no prepare_key (adopted, or made by an older version)"
     if reason is None and m.get("source", {}).get("inputs_fingerprint") != _fingerprint(inputs):
         reason = "the input files differ"
     if reason:
@@ -437,6 +441,7 @@ def run(args: argparse.Namespace) -> int:
         if not kept and created_out:
             shutil.rmtree(cfg.out, ignore_errors=True)
         raise _failure(e, p, kept) from None
+    p.journal.remove()  # after dataset.json: the run is complete whatever happens here
     _summary(m, p.tokens - p.tokens_before, time.perf_counter() - t0)
     return 0
 
@@ -479,7 +484,6 @@ def _prepare(p: Preparer, point: ResumePoint | None, inputs: list[dict[str, Any]
     splits = {name: w.finish() for name, w in p.writers.items()}
     m = build_manifest(p, splits, tok_files, inputs, time.perf_counter() - t0)
     mf.write_manifest(cfg.out, m)
-    p.journal.remove()
     return m
 
 

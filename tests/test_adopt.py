@@ -177,3 +177,9 @@ def test_bad_shard_sets_are_one_line(megatron, wordpiece_tokenizer, tmp_path, on
     assert adopt(p1, *tok, "--out", out, "--overwrite") == 2
     one_line_error("notes.txt", "nothing was changed")
     assert snapshot(out) == before and (out / MANIFEST).is_file()
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    assert data_tools_main(["prepare", "--input", str(text), *map(str, tok), "--out", str(out),
+                            "--resume"]) == 2  # not prepare's: nothing to resume, kept
+    one_line_error("already holds a complete dataset", "no prepare_key")
+    assert snapshot(out) == before

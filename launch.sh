@@ -564,5 +564,6 @@ if [ "$multi" = 1 ] && [ "$launcher" = pdsh ]; then
     exit "$code"
   fi
 fi
-[ "$stopping" = 0 ] || [ "$rc" = 0 ] || exit "$stop_status"
+# 75: the ranks saved a checkpoint on the stop and want the same command again (app/preemption.py)
+[ "$stopping" = 0 ] || [ "$rc" = 0 ] || [ "$rc" = 75 ] || exit "$stop_status"
 exit "$rc"

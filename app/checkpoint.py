@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from app import faults
 from app.device import rng_state, set_rng_state
 from app.engine import any_rank, barrier, world_size
 from app.rundir import CHECKPOINTS
@@ -192,6 +193,7 @@ def _write(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int) -
     # could leave it naming a partial tag, or empty
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"train_state": state},
                            save_latest=False)
+    faults.die_in_save(step_of(tag))
 
 
 def _save_failed(message: str, tag: str, ckpt_dir: Path, skip: bool) -> None:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from app.anomaly import Rules
 from data_tools.cli import config_flags, finite_float, flag
 from data_tools.errors import UserError
 
@@ -92,6 +93,23 @@ class TrainConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted after a newer save completed."""
+    on_anomaly: str = Rules.policy
+    """rollback|skip|stop on a loss spike or a non-finite loss (docs/design.md, "Faults")."""
+    spike_z: float = Rules.z
+    """A spike: the step loss more than this many standard deviations above the recent mean..."""
+    spike_rise: float = Rules.rise
+    """...and more than this fraction above it."""
+    spike_window: int = Rules.window
+    """Steps of recent loss history a step is judged against."""
+    max_rollbacks: int = Rules.max_rollbacks
+    """More rollbacks than this within 1,000 steps stop the run (exit status 3)."""
+    cooldown_steps: int = Rules.cooldown_steps
+    """After a rollback the LR ramps back to the schedule over this many steps..."""
+    cooldown_factor: float = Rules.cooldown_factor
+    """...starting at this fraction of it."""
+    hang_timeout: float = 1800.0
+    """Seconds without progress (stuck in a collective, the loader, a save) before a rank prints
+    where every thread is and exits 124 (0: no watchdog)."""
     save_errors: str = "stop"
     """stop|skip: a save that fails (full disk) stops the run, or is skipped with a warning."""
     eval_every: int = 0
@@ -109,6 +127,14 @@ class TrainConfig:
     wandb: str | None = None
     """online|offline|disabled (default: online with WANDB_API_KEY, else offline)."""
     wandb_project: str = "dspretrain"
+    wandb_group: str | None = None
+    """Group the run with others in wandb (e.g. a sweep or the restarts of one experiment)."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """Tags of the wandb run."""
+    run_name: str | None = None
+    """The run's name in wandb (default: the name of --out)."""
+    peak_tflops: float | None = None
+    """The accelerator's dense peak TFLOP/s for MFU (default: from app/hardware.py's table)."""
 
     def __post_init__(self) -> None:
         self.data, self.out = Path(self.data), Path(self.out)
@@ -122,6 +148,13 @@ class TrainConfig:
         for name in ("grad_accum", "global_batch", "max_tokens", "stop_at_step"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        for name in ("spike_window", "cooldown_steps"):
+            _positive(name, getattr(self, name))
+        if self.max_rollbacks < 0 or self.hang_timeout < 0 or self.spike_z <= 0:
+            raise UserError("--max-rollbacks and --hang-timeout must be 0 or more, --spike-z "
+                            "positive")
+        if not 0.0 < self.cooldown_factor <= 1.0:
+            raise UserError(f"--cooldown-factor {self.cooldown_factor}: must be in (0, 1]")
         if self.dist_timeout <= 0:
             raise UserError(f"--dist-timeout {self.dist_timeout}: must be positive (minutes)")
         for name in ("save_every", "eval_every"):
@@ -197,10 +230,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("resume", metavar="auto|never|PATH")
     add("overwrite", action="store_true")
     add("save_errors", choices=("stop", "skip"))
+    add("on_anomaly", choices=("rollback", "skip", "stop"))
+    for name in ("spike_z", "spike_rise", "cooldown_factor", "hang_timeout"):
+        add(name, type=finite_float, metavar="F")
+    for name in ("spike_window", "max_rollbacks", "cooldown_steps"):
+        add(name, type=int, metavar="N")
     add("stage_to", type=Path, metavar="DIR")
     add("dist_timeout", type=finite_float, metavar="MINUTES")
     add("wandb", choices=WANDB_MODES)
     add("wandb_project", metavar="NAME")
+    add("wandb_group", metavar="NAME")
+    add("wandb_tags", nargs="+", default=[], metavar="TAG")
+    add("run_name", metavar="NAME")
+    add("peak_tflops", type=finite_float, metavar="F")
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in
     # the environment says the same, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

@@ -90,6 +90,7 @@ class TokenWindows(Dataset):
         self.spec = spec
         self.eval_order = eval_order
         manifest = manifest if manifest is not None else load_manifest(spec.dataset_dir)
+        self.vocab_size = int(manifest["vocab_size"])
         self.eod_id = int(manifest["eod_token_id"])
         pad = manifest.get("pad_token_id")
         self.pad_id = int(pad) if pad is not None else self.eod_id  # padding is masked out anyway
@@ -119,6 +120,8 @@ class TokenWindows(Dataset):
         return self._perm(offset)
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        """The sample at `position`; for a corrupt one (ids past the vocabulary) `{"error": ...}`,
+        which the loader raises as one line in the training process (app.data.BatchLayout)."""
         position = int(position)
         if position < 0:
             raise IndexError(f"stream position {position} is negative")
@@ -130,6 +133,8 @@ class TokenWindows(Dataset):
             ids, length = packing.doc_sample(self.stream, index, seq_len, pad_id=self.pad_id,
                                              eod_id=self.eod_id, cls_id=self.cls_id,
                                              bert_layout=self.masker is not None)
+        if ids.max(initial=0) >= self.vocab_size:  # one vectorised check: rot found in training
+            return {"error": self._corrupt(ids, index, position)}
         attention = np.zeros(seq_len, dtype=np.int64)
         attention[:length] = 1
         if self.masker is not None:
@@ -140,6 +145,22 @@ class TokenWindows(Dataset):
             labels[length:] = IGNORE_INDEX
         return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(attention),
                 "labels": torch.from_numpy(labels)}
+
+
+    def _corrupt(self, ids: np.ndarray, index: int, position: int) -> str:
+        at = int(np.argmax(ids >= self.vocab_size))
+        shard = (self.stream.shard_of_token(index * self.spec.seq_len + at)
+                 if self.spec.packing == "concat" else self.stream.shard_of_document(index))
+        return (f"{shard.prefix}.bin: token id {int(ids[at])} in sample {index} (stream position "
+                f"{position}) is not below the vocabulary size {self.vocab_size}: the shard is "
+                f"corrupt (run `python -m data_tools inspect --verify`, and stage it again)")
+
+
+def batch_samples(spec: DataSpec, global_batch_index: int, global_batch: int) -> list[int]:
+    """The sample ids a global batch reads (what skipped_batches.jsonl records)."""
+    windows = TokenWindows(spec)
+    start = global_batch_index * global_batch
+    return [windows.sample_index(p) for p in range(start, start + global_batch)]
 
 
 def dataset_stats(spec: DataSpec, manifest: dict | None = None) -> dict[str, Any]:
@@ -164,16 +185,20 @@ def dataset_stats(spec: DataSpec, manifest: dict | None = None) -> dict[str, Any
 
 
 class StreamSampler(Sampler[int]):
-    """This rank's stream positions from `consumed_samples` on, forever, in O(1) memory."""
+    """This rank's stream positions from `consumed_samples` on, forever, in O(1) memory, without
+    the global batches in `skip`."""
 
-    def __init__(self, consumed_samples: int, global_batch: int, dp_rank: int, dp_size: int):
+    def __init__(self, consumed_samples: int, global_batch: int, dp_rank: int, dp_size: int,
+                 skip: frozenset[int] = frozenset()):
         self.consumed_samples = consumed_samples
         self.global_batch = global_batch
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.skip = skip
 
     def __iter__(self) -> Iterator[int]:
-        return rank_positions(self.consumed_samples, self.global_batch, self.dp_rank, self.dp_size)
+        return rank_positions(self.consumed_samples, self.global_batch, self.dp_rank,
+                              self.dp_size, self.skip)
 
 
 def default_num_workers(local_world_size: int = 1) -> int:
@@ -221,22 +246,30 @@ class BatchLayout:
             out["mlm_labels"][:chosen.size] = labels[chosen]
         return out
 
-    def pack(self, samples: list[dict[str, torch.Tensor]]) -> np.ndarray:
+    def pack(self, samples: list[dict[str, torch.Tensor]]) -> np.ndarray | str:
         """Collate a micro batch into one flat int32 array: each key's [batch, width] block in
         turn. A worker hands over one small numpy array, pickled through its pipe: ~1 ms on CPU,
         where a tensor (a shared-memory file and a descriptor per storage) took ~2-3 ms
-        (docs/benchmarks.md, "loader"). Ids, positions and labels (-100) fit in int32."""
+        (docs/benchmarks.md, "loader"). Ids, positions and labels (-100) fit in int32. A corrupt
+        sample makes the batch its error message instead (raised by `unpack`, in the training
+        process: an exception raised in a worker would arrive wrapped in its traceback)."""
+        errors = [s["error"] for s in samples if "error" in s]
+        if errors:
+            return errors[0]
         rows = [self.arrays(s) for s in samples]
         return np.concatenate([np.stack([r[k] for r in rows]).ravel() for k in self.keys]
                               ).astype(np.int32, copy=False)
 
-    def pack_pinned(self, samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def pack_pinned(self, samples: list[dict[str, torch.Tensor]]) -> torch.Tensor | str:
         """As `pack`, as an int64 tensor: DataLoader's pinning thread pins it off the training
         thread, and nothing converts it afterwards (a conversion would lose the pinning)."""
-        return torch.from_numpy(self.pack(samples).astype(np.int64))
+        packed = self.pack(samples)
+        return packed if isinstance(packed, str) else torch.from_numpy(packed.astype(np.int64))
 
-    def unpack(self, packed: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
+    def unpack(self, packed: np.ndarray | torch.Tensor | str) -> dict[str, torch.Tensor]:
         """The micro batch as int64 tensors: contiguous views of the packed one (pinning kept)."""
+        if isinstance(packed, str):
+            raise UserError(packed)
         if isinstance(packed, np.ndarray):
             packed = torch.from_numpy(packed).to(torch.int64)  # as embeddings and losses expect
         batch = packed.numel() // sum(self.widths)
@@ -277,7 +310,8 @@ def _loader(dataset: TokenWindows, sampler: Iterable[int], micro_batch: int, num
 def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, dp_rank: int,
                        dp_size: int, consumed_samples: int, num_workers: int,
                        pin_memory: bool = False, prefetch_factor: int = 4,
-                       manifest: dict | None = None) -> MicroBatches:
+                       manifest: dict | None = None,
+                       skip: frozenset[int] = frozenset()) -> MicroBatches:
     """Infinite iterator of this rank's micro batches, starting at global sample `consumed_samples`.
 
     Global batch g = stream positions [g*GBS, (g+1)*GBS); rank r takes the contiguous slice
@@ -287,7 +321,7 @@ def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, d
     check_batch_geometry(global_batch, micro_batch, dp_size, consumed_samples)
     check_rank(dp_rank, dp_size)
     dataset = TokenWindows(spec, manifest)
-    sampler = StreamSampler(consumed_samples, global_batch, dp_rank, dp_size)
+    sampler = StreamSampler(consumed_samples, global_batch, dp_rank, dp_size, skip)
     return _loader(dataset, sampler, micro_batch, num_workers, pin_memory, prefetch_factor)
 
 
@@ -296,9 +330,10 @@ def build_eval_loader(spec: DataSpec, *, micro_batch: int, dp_rank: int, dp_size
                       prefetch_factor: int = 4, manifest: dict | None = None) -> MicroBatches:
     """One deterministic pass over (up to `max_samples` of) the split, same masks every time.
 
-    Samples in stored order (identity; the val split is already a sample of the corpus); every
-    rank gets the same number of micro batches, the last ones wrapping to the split's start, so
-    a few samples may count twice when the sample count does not divide evenly.
+    Samples in stored order (identity; the val split is already a sample of the corpus). Every
+    rank gets the same number of micro batches (collectives in eval never wait on a rank that ran
+    out); where the sample count does not divide, the last ones are filler without labels, so
+    every validation sample is counted exactly once.
     """
     check_batch_geometry(micro_batch * dp_size, micro_batch, dp_size)
     check_rank(dp_rank, dp_size)
@@ -307,18 +342,19 @@ def build_eval_loader(spec: DataSpec, *, micro_batch: int, dp_rank: int, dp_size
     dataset = TokenWindows(spec, manifest, eval_order=True)
     total = dataset.num_samples if max_samples is None else min(max_samples, dataset.num_samples)
     positions = eval_positions(total, micro_batch, dp_rank, dp_size)
-    return _loader(dataset, _Wrapped(positions, total), micro_batch, num_workers, pin_memory,
+    return _loader(EvalPass(dataset, total), positions, micro_batch, num_workers, pin_memory,
                    prefetch_factor)
 
 
-class _Wrapped:
-    """positions modulo `total`, lazily (an eval pass over a huge split needs no list)."""
+class EvalPass(Dataset):
+    """Positions of an eval pass over the first `total` samples: those past the end read a sample
+    again (the shapes stay equal) with every label ignored, so no sample counts twice."""
 
-    def __init__(self, positions: range, total: int):
-        self.positions, self.total = positions, total
+    def __init__(self, samples: TokenWindows, total: int):
+        self.samples, self.total, self.spec = samples, total, samples.spec
 
-    def __iter__(self) -> Iterator[int]:
-        return (p % self.total for p in self.positions)
-
-    def __len__(self) -> int:
-        return len(self.positions)
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        sample = self.samples[int(position) % self.total]
+        if position >= self.total:
+            sample["labels"] = torch.full_like(sample["labels"], IGNORE_INDEX)
+        return sample

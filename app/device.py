@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import random
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -36,10 +38,23 @@ class Device:
     """Whether the data loader should pin host memory (only useful with a separate device)."""
     bf16_supported: bool
     fp16_supported: bool
+    model: str | None = None
+    """The device as its driver names it ("NVIDIA H100 80GB HBM3"); None on CPU."""
 
     @property
     def is_cpu(self) -> bool:
         return self.name == "cpu"
+
+    @property
+    def torch_adam(self) -> bool:
+        """Whether DeepSpeed's Adam should be torch's rather than its compiled op.
+
+        On CPU the compiled op keeps beta**step as a running product in C++ state, which a
+        resumed process recomputes with pow: the same weights and moments then step to values a
+        last bit apart. torch's AdamW takes the power from the step stored in the checkpoint, so
+        resume stays bit-exact. The CUDA kernel recomputes the power every step already.
+        """
+        return self.is_cpu
 
     def torch_device(self, local_rank: int = 0) -> torch.device:
         return torch.device(self.name if self.is_cpu else f"{self.name}:{local_rank}")
@@ -53,7 +68,18 @@ def detect() -> Device:
     name = acc.device_name()
     return Device(name=name, backend=acc.communication_backend_name(), pin_memory=name != "cpu",
                   bf16_supported=bool(acc.is_bf16_supported()),
-                  fp16_supported=bool(acc.is_fp16_supported()))
+                  fp16_supported=bool(acc.is_fp16_supported()), model=_model_name(name))
+
+
+def _model_name(name: str) -> str | None:
+    """torch.cuda.get_device_name() and its kin for other accelerators (None on CPU)."""
+    get = getattr(getattr(torch, name, None), "get_device_name", None)
+    if name == "cpu" or get is None:
+        return None
+    try:
+        return str(get())
+    except (RuntimeError, AssertionError):
+        return None
 
 
 def resolve_precision(requested: str, device: Device) -> str:
@@ -148,8 +174,10 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[s
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def memory_gb() -> tuple[float, float]:
-    """(current, peak) memory of this rank in GiB: accelerator memory, or process RSS on CPU."""
+def memory_gb() -> tuple[float, float, float]:
+    """(in use, reserved, peak) memory of this rank in GiB: the accelerator's allocator counters
+    (allocated, reserved by the caching allocator, peak allocated), or on CPU the process's
+    resident set (current, current, peak)."""
     acc = accelerator()
     if acc.device_name() == "cpu":
         try:
@@ -157,7 +185,38 @@ def memory_gb() -> tuple[float, float]:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
             with open("/proc/self/statm") as f:
                 current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-            return current, peak
+            return current, current, max(peak, current)  # the peak read a moment earlier
         except (OSError, ValueError, ImportError):
-            return 0.0, 0.0
-    return acc.memory_allocated() / 2**30, acc.max_memory_allocated() / 2**30
+            return 0.0, 0.0, 0.0
+    return (acc.memory_allocated() / 2**30, acc.memory_reserved() / 2**30,
+            acc.max_memory_allocated() / 2**30)
+
+
+class ComputeClock:
+    """Sums the device time of code spans without a host sync per span: accelerator events
+    recorded around each span and read at `take()` (after the window's one synchronize); on CPU,
+    where work is synchronous, the host clock."""
+
+    def __init__(self, device: Device):
+        self._event = None if device.is_cpu else accelerator().Event
+        self._pairs: list = []
+        self._seconds = 0.0
+
+    @contextmanager
+    def span(self) -> Iterator[None]:
+        if self._event is None:
+            t0 = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - t0
+            return
+        start, end = self._event(enable_timing=True), self._event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._pairs.append((start, end))
+
+    def take(self) -> float:
+        """Seconds measured since the last take (call after synchronize)."""
+        seconds = self._seconds + sum(a.elapsed_time(b) for a, b in self._pairs) / 1000.0
+        self._pairs, self._seconds = [], 0.0
+        return seconds

@@ -8,8 +8,10 @@ and reads batch sizes back from the engine.
 from __future__ import annotations
 
 import copy
+import fcntl
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -125,8 +127,11 @@ ZERO_SIZES = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_
 
 def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_size: int,
               precision: str, lr: float, betas: tuple[float, float], eps: float,
-              weight_decay: float, pin_memory: bool, where: Path) -> dict[str, Any]:
-    """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill."""
+              weight_decay: float, pin_memory: bool, where: Path,
+              torch_adam: bool = False) -> dict[str, Any]:
+    """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill.
+    `torch_adam` (Device.torch_adam) picks torch's AdamW over DeepSpeed's compiled one unless the
+    config says which, or offloads the optimizer (DeepSpeed's CPU Adam then)."""
     ds = copy.deepcopy(ds)
     batch = {"train_micro_batch_size_per_gpu": micro_batch,
              "gradient_accumulation_steps": grad_accum,
@@ -143,6 +148,11 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
                          "weight_decay": weight_decay})
     _fill_precision(ds, precision)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
+    opt = ds["optimizer"]
+    offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    if (torch_adam and isinstance(opt, dict) and not offloaded
+            and str(opt.get("type", "")).lower() in ("adam", "adamw")):
+        opt["params"].setdefault("torch_adam", True)
     for key, value in ZERO_SIZES.items():
         if zero.get(key) == "auto":
             zero[key] = value
@@ -282,9 +292,58 @@ def init_distributed(device: Device, timeout_minutes: float = 30.0) -> World:
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
     bind(device, int(os.environ.get("LOCAL_RANK", 0)))
+    load_op("ShareMemCommBuilder")
     deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False,
                                timeout=timedelta(minutes=timeout_minutes))
     return world_from_env()
+
+
+def _optimizer_op(ds_config: dict[str, Any]) -> str | None:
+    """The op builder DeepSpeed's Adam from the config loads (offloaded: CPU Adam; else fused)."""
+    opt = ds_config.get("optimizer") or {}
+    if str(opt.get("type", "")).lower() not in ("adam", "adamw"):
+        return None
+    if (opt.get("params") or {}).get("torch_adam"):
+        return None
+    offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {})
+    return "CPUAdamBuilder" if offload.get("device") in ("cpu", "nvme") else "FusedAdamBuilder"
+
+
+def load_op(builder_name: str) -> None:
+    """Load one of DeepSpeed's ops before DeepSpeed asks for it, one process of a node at a time,
+    clearing the build lock a killed process left behind.
+
+    torch marks a JIT build with a bare `lock` file in the op's build directory and every other
+    process waits while it exists; a process killed while holding it (SIGKILL, a preempted node,
+    a CI timeout) leaves it, and every later start waits for ever. Ours take an flock beside it
+    for the whole load, so a `lock` found while holding the flock was left by a dead process.
+    DeepSpeed caches loaded ops, so its own load later is a dictionary lookup.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    from deepspeed.git_version_info import installed_ops
+    if installed_ops.get(builder.NAME, False):
+        builder.load(verbose=False)  # prebuilt into the wheel: an import, no build lock
+        return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(builder.NAME, verbose=False))
+    with open(build_dir.parent / f".{builder.NAME}.app-lock", "a+") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: leave torch's own lock alone
+            builder.load(verbose=False)
+            return
+        stale = build_dir / "lock"
+        if stale.exists():
+            print(f"warning: removing {stale}, a build lock left by a process killed while "
+                  f"building DeepSpeed's {builder.NAME} op", file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        builder.load(verbose=False)
 
 
 def shutdown() -> None:
@@ -302,9 +361,21 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     def scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
+    op = _optimizer_op(ds_config)
+    if op:
+        load_op(op)
+
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                            config=ds_config, lr_scheduler=scheduler)
     return engine
+
+
+def apply_lr_schedule(engine) -> None:
+    """Set every parameter group's LR from the schedule at its current step (after a rollback
+    changed the schedule: the cool-down applies from the very next step)."""
+    sched = engine.lr_scheduler
+    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * fn(sched.last_epoch)
 
 
 def engine_facts(engine) -> dict[str, Any]:
@@ -348,6 +419,16 @@ def _several_ranks() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
+def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (the same length on each), in rank order: one small all-gather."""
+    row = torch.tensor(values, dtype=torch.float64, device=device)
+    if not _several_ranks():
+        return [row.tolist()]
+    rows = [torch.empty_like(row) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(rows, row)
+    return [r.tolist() for r in rows]
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place."""
     if _several_ranks():
@@ -355,10 +436,12 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    if _several_ranks():
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return tensor
+def lost_peer(error: BaseException) -> bool:
+    """Whether a collective failed because another rank went away (it died or was stopped)."""
+    text = str(error)
+    return isinstance(error, getattr(torch.distributed, "DistError", ())) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                            "NCCL communicator was aborted", "Broken pipe"))
 
 
 def world_size() -> int:

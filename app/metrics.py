@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -53,12 +54,26 @@ def truncate_after(path: Path, step: int) -> None:
     write_text_atomic(path, "".join(kept), fsync=False)
 
 
-class MetricsLogger:
-    """Writes every record to metrics.jsonl and wandb, and a short line to the console, under a
-    progress bar of the steps (main rank only; the others are silent)."""
+@dataclass(frozen=True)
+class WandbSettings:
+    """Where the rank-0 wandb run goes (`app train --wandb*`, `--run-name`)."""
 
-    def __init__(self, run_dir: Path, *, enabled: bool, wandb_mode: str, run_config: dict,
-                 project: str, run_name: str, resumed_step: int | None = None):
+    mode: str
+    """online, offline or disabled (app.metrics.wandb_mode)."""
+    project: str
+    name: str
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+
+
+class MetricsLogger:
+    """Writes every record to metrics.jsonl and wandb, and a short line to the console (main rank
+    only; the others are silent). On a terminal the lines scroll above a progress bar (step, ETA,
+    loss, tokens/s); elsewhere (Slurm and launcher logs) there is no bar, and no carriage return:
+    one plain line per log interval."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, wandb: WandbSettings, run_config: dict,
+                 resumed_step: int | None = None):
         self.enabled = enabled
         self.wandb_run = None
         self._file = None
@@ -71,8 +86,8 @@ class MetricsLogger:
         elif path.exists():
             path.unlink()
         self._file = open(path, "a", buffering=1)
-        if wandb_mode != "disabled":
-            self.wandb_run = _start_wandb(run_dir, wandb_mode, run_config, project, run_name)
+        if wandb.mode != "disabled":
+            self.wandb_run = _start_wandb(run_dir, wandb, run_config)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -81,14 +96,18 @@ class MetricsLogger:
                  for k, v in record.items() if v is not None}
         self._file.write(to_json(clean, indent=None) + "\n")
         parts = [fmt.format(clean[k]) for k, fmt in CONSOLE_KEYS if clean.get(k) is not None]
-        tqdm.write(f"step {clean['step']:>6} | " + " | ".join(parts), file=sys.stderr)
-        if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in clean.items() if k != "step"},
-                               step=int(clean["step"]))
+        self.note(f"step {clean['step']:>6} | " + " | ".join(parts))
+        if self._bar is not None and "train/loss" in clean:
+            self._bar.set_postfix_str(f"loss {clean['train/loss']:.4f}, "
+                                      f"{clean.get('perf/tokens_per_sec', 0):,.0f} tok/s",
+                                      refresh=False)
+        if self.wandb_run is not None:  # wandb's own step: after a rollback ours goes back
+            self.wandb_run.log(clean)
 
     def start_progress(self, *, total: int, done: int) -> None:
-        self._bar = tqdm(total=total, initial=done, desc="train", unit="step", file=sys.stderr,
-                         disable=not self.enabled, dynamic_ncols=True)
+        if self.enabled and sys.stderr.isatty():
+            self._bar = tqdm(total=total, initial=done, desc="train", unit="step",
+                             file=sys.stderr, dynamic_ncols=True)
 
     def advance(self) -> None:
         if self._bar is not None:
@@ -100,9 +119,19 @@ class MetricsLogger:
             self._bar = None
 
     def note(self, text: str) -> None:
-        """A line on the console (between progress bar updates)."""
-        if self.enabled:
+        """A line on the console (above the progress bar, if there is one)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
             tqdm.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def alert(self, title: str, text: str) -> None:
+        """A line on the console and, in wandb, an alert (an event a dashboard shows)."""
+        self.note(f"{title}: {text}")
+        if self.wandb_run is not None:
+            self.wandb_run.alert(title=title, text=text)
 
     def close(self) -> None:
         self.end_progress()
@@ -114,7 +143,7 @@ class MetricsLogger:
             self.wandb_run = None
 
 
-def _start_wandb(run_dir: Path, mode: str, run_config: dict, project: str, run_name: str):
+def _start_wandb(run_dir: Path, settings: WandbSettings, run_config: dict):
     import wandb  # lazily: slow to import, rank 0 only
 
     id_file = run_dir / rundir.WANDB_ID
@@ -123,5 +152,12 @@ def _start_wandb(run_dir: Path, mode: str, run_config: dict, project: str, run_n
     if not re.fullmatch(r"[0-9a-z]{1,64}", run_id):  # missing, or not an id we wrote
         run_id = secrets.token_hex(4)  # wandb's id alphabet; kept so a resume continues it
         id_file.write_text(run_id + "\n")
-    return wandb.init(project=project, name=run_name, id=run_id, resume="allow",
-                      dir=str(run_dir), mode=mode, config=run_config)
+    run = wandb.init(project=settings.project, name=settings.name, id=run_id, resume="allow",
+                     dir=str(run_dir), mode=settings.mode, config=run_config,
+                     group=settings.group, tags=list(settings.tags) or None,
+                     settings=wandb.Settings(init_timeout=120, console="off"))
+    run.define_metric("tokens_seen")  # an x-axis for every chart, besides the optimizer step
+    run.define_metric("step")
+    for prefix in ("train", "eval", "perf", "sys", "data"):
+        run.define_metric(f"{prefix}/*", step_metric="tokens_seen", step_sync=True)
+    return run

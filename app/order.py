@@ -129,13 +129,22 @@ def rank_slice(global_batch_index: int, global_batch: int, dp_rank: int, dp_size
 
 
 def rank_positions(consumed_samples: int, global_batch: int, dp_rank: int,
-                   dp_size: int) -> Iterator[int]:
-    """This rank's stream positions from global sample `consumed_samples` on, forever."""
+                   dp_size: int, skip: frozenset[int] = frozenset()) -> Iterator[int]:
+    """This rank's stream positions from global sample `consumed_samples` on, forever, leaving
+    out the global batches in `skip` (batches a run skipped after a loss spike)."""
     check_rank(dp_rank, dp_size)
     g = consumed_samples // global_batch
     while True:
-        yield from rank_slice(g, global_batch, dp_rank, dp_size)
+        if g not in skip:
+            yield from rank_slice(g, global_batch, dp_rank, dp_size)
         g += 1
+
+
+def skip_ahead(consumed_samples: int, global_batch: int, skip: frozenset[int]) -> int:
+    """The stream position of the next global batch that is not skipped."""
+    while consumed_samples // global_batch in skip:
+        consumed_samples += global_batch
+    return consumed_samples
 
 
 def eval_positions(num_samples: int, micro_batch: int, dp_rank: int, dp_size: int) -> range:

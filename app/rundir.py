@@ -9,6 +9,7 @@ directories `app train` may write into or replace (docs/design.md, "Run director
     RUN_DIR/tokenizer/        copy of the dataset's tokenizer (an export takes it from here)
     RUN_DIR/checkpoints/      DeepSpeed checkpoint tags + `latest` (app.checkpoint)
     RUN_DIR/wandb/            the wandb run (its id in wandb/run_id, so a resume continues it)
+    RUN_DIR/skipped_batches.jsonl  global batches skipped after an anomaly (every resume too)
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ REFERENCE = "reference.pt"
 CHECKPOINTS = "checkpoints"
 TOKENIZER_DIR = "tokenizer"
 WANDB_ID = "wandb/run_id"
+SKIPPED = "skipped_batches.jsonl"
 
 
 class ModelEntry(Schema):
@@ -63,6 +65,31 @@ class MetricRecord(Schema):
     consumed_samples: NonNegativeInt | None = None
     tokens_seen: NonNegativeInt
     __pydantic_extra__: dict[str, float | str | None]
+
+
+class SkippedBatch(Schema):
+    """One line of skipped_batches.jsonl."""
+
+    step: NonNegativeInt
+    global_batch: NonNegativeInt
+    positions: list[NonNegativeInt]
+    samples: list[NonNegativeInt] = []
+    reason: str
+
+
+def read_skipped(run_dir: Path) -> frozenset[int]:
+    """The global batches this run skips (read at every start, so a resume skips them too)."""
+    path = run_dir / SKIPPED
+    if not path.is_file():
+        return frozenset()
+    return frozenset(r["global_batch"] for _, r in read_jsonl(path, SkippedBatch))
+
+
+def add_skipped(run_dir: Path, record: dict[str, Any]) -> None:
+    """Append a skipped batch (main rank), the file rewritten whole and atomically."""
+    path = run_dir / SKIPPED
+    old = path.read_text() if path.is_file() else ""
+    output.write_text_atomic(path, old + output.to_json(record, indent=None) + "\n")
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any]:
@@ -119,5 +146,5 @@ def clear(out: Path) -> None:
     """--overwrite: remove what a previous run left (only the files this app writes)."""
     with output.writing(out):
         shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
-        for name in (METRICS, SUMMARY, REFERENCE, RUN_CONFIG, WANDB_ID):
+        for name in (METRICS, SUMMARY, REFERENCE, RUN_CONFIG, WANDB_ID, SKIPPED):
             (out / name).unlink(missing_ok=True)

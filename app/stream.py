@@ -43,6 +43,12 @@ class TokenStream:
         self.num_tokens = int(self.token_starts[-1])
         self.num_documents = int(self.doc_starts[-1])
 
+    def shard_of_token(self, offset: int) -> IndexedShard:
+        return self.shards[int(np.searchsorted(self.token_starts, offset, side="right")) - 1]
+
+    def shard_of_document(self, d: int) -> IndexedShard:
+        return self.shards[int(np.searchsorted(self.doc_starts, d, side="right")) - 1]
+
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream, crossing shard ends if needed."""
         pieces = []

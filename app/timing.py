@@ -1,10 +1,11 @@
-"""Where training time goes: a window of steps between two log lines, its data wait, and the
-throughput figures made from it (docs/design.md, "Metrics").
+"""Where training time goes: a window of steps between two log lines, its data wait and its
+forward time (docs/design.md, "Metrics"; app.telemetry turns every rank's window into figures).
 
 The window pauses while the run evaluates or saves (that time is not training time) and counts
 how long the loop waited for the next batch. An accelerator runs ahead of the host, so the clock
 is read after `sync` (the device's synchronize): when a window ends and where a pause starts and
-ends, once per log interval, eval and save; never per step.
+ends, once per log interval, eval and save; never per step. Forward passes are timed by the
+device's own events (`clock`), read at the window's end.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from typing import Callable, Iterator
 class Window:
     """Wall time and data wait since the window was (re)started, excluding paused spans."""
 
-    def __init__(self, step: int = 0, sync: Callable[[], None] = lambda: None):
-        self.sync = sync
+    def __init__(self, step: int = 0, sync: Callable[[], None] = lambda: None, clock=None):
+        self.sync, self.clock = sync, clock
         self.restart(step)
 
     def restart(self, step: int) -> None:
@@ -28,6 +29,14 @@ class Window:
 
     def waiting_for_data(self):
         return self._timing("data_wait")
+
+    def forward(self):
+        """A forward pass (device time; needs the `clock`)."""
+        return self.clock.span()
+
+    def forward_seconds(self) -> float:
+        """Device time of the window's forward passes (after `elapsed()` synced the device)."""
+        return self.clock.take() if self.clock is not None else 0.0
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -49,15 +58,3 @@ class Window:
     def elapsed(self) -> float:
         self.sync()
         return time.perf_counter() - self._start - self._paused
-
-
-def throughput(*, steps: int, global_batch: int, seq_len: int, world_size: int,
-               busy_sum: float, wait_sum: float) -> dict[str, float]:
-    """perf/ figures of a window of `steps` optimizer steps, from the window's wall time and data
-    wait summed over ranks (each rank timed the same steps; their mean is the window's time)."""
-    wall = max(busy_sum / world_size, 1e-9)
-    samples = steps * global_batch
-    return {"perf/tokens_per_sec": samples * seq_len / wall,
-            "perf/samples_per_sec": samples / wall,
-            "perf/step_time_ms": 1000.0 * wall / max(steps, 1),
-            "perf/data_wait_pct": 100.0 * wait_sum / max(busy_sum, 1e-9)}

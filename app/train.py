@@ -19,23 +19,27 @@ from typing import Any, Callable
 
 import torch
 
-from app import checkpoint, reference, rundir
+from app import anomaly, checkpoint, faults, reference, rundir, telemetry
 from app import config as config_mod
 from app.config import TrainConfig
-from app.device import (Device, attention_implementation, detect, enable_tf32,
+from app.device import (ComputeClock, Device, attention_implementation, detect, enable_tf32,
                         set_cpu_threads)
-from app.engine import (World, adopt_launcher_env, barrier, fill_auto,
-                        init_distributed, initialize, load_ds_config, settle_precision,
-                        engine_facts, shutdown, validate_ds_config, versions, world_from_env,
+from app.engine import (World, adopt_launcher_env, barrier, engine_facts, fill_auto,
+                        init_distributed, initialize, load_ds_config, lost_peer,
+                        settle_precision, shutdown, validate_ds_config, versions, world_from_env,
                         zero_config_path, zero_stage)
-from app.metrics import MetricsLogger, wandb_mode
+from app.flops import ModelShape, flops_per_token, head_fraction
+from app.metrics import MetricsLogger, WandbSettings, wandb_mode
 from app.model import (build_config, build_model, count_parameters, max_positions,
                        optimizer_groups, parse_overrides, preset)
 from app.schedule import schedule_fn
 from app.train_state import TrainState
-from app.trainer import Schedule, Trainer
+from app.order import skip_ahead
+from app.preemption import StopRequests
+from app.trainer import Guards, Schedule, Trainer
+from app.watchdog import Watchdog
 from data_tools import output
-from data_tools.errors import UserError
+from data_tools.errors import Stopped, UserError
 from data_tools.manifest import TOKENIZER_DIR, load_manifest, tokenizer_fingerprint
 from data_tools.output import write_json_atomic
 
@@ -80,7 +84,8 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs)
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                   weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path)
+                   weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
+                   torch_adam=device.torch_adam)
     for warning in validate_ds_config(ds, ds_path):
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
@@ -270,6 +275,9 @@ def stage_data(cfg: TrainConfig, world: World) -> Path:
     return cfg.stage_to
 
 
+EXIT_LOST_PEER = 1  # another rank failed first: its output has the reason
+
+
 def dropout_seed(seed: int, rank: int) -> int:
     """Each rank's torch RNG seed for dropout: a stream per rank, apart from the weights' seed
     (`seed` itself; 1_000_003 is a prime above any rank count, so no two (seed, rank) meet)."""
@@ -289,14 +297,14 @@ def run(args: argparse.Namespace) -> int:
     enable_tf32(device, plan.precision, cfg.tf32)
     world = init_distributed(device, timeout_minutes=cfg.dist_timeout)
     barrier()
-    engine, n_params = build_engine(plan)
+    state = TrainState()
+    engine, n_params = build_engine(plan, state.cooldown)
     torch.manual_seed(dropout_seed(cfg.seed, world.rank))
-    state = TrainState(facts={"world_size": world.world_size,
-                              "global_batch": engine.train_batch_size(),
-                              "dataset_fingerprint": plan.manifest["fingerprint"],
-                              "model_config": plan.model_config.to_dict(),
-                              "run_config": cfg.to_dict(), "ds_config": plan.ds_config,
-                              "flat_master_groups": checkpoint.flat_master_groups(engine)})
+    state.facts = {"world_size": world.world_size, "global_batch": engine.train_batch_size(),
+                   "dataset_fingerprint": plan.manifest["fingerprint"],
+                   "model_config": plan.model_config.to_dict(), "run_config": cfg.to_dict(),
+                   "ds_config": plan.ds_config,
+                   "flat_master_groups": checkpoint.flat_master_groups(engine)}
     if plan.resume is not None:
         state.load_state_dict(checkpoint.load(engine, *plan.resume))
         checkpoint.restore_rng(*plan.resume, rank=world.rank)
@@ -304,13 +312,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"resumed from {plan.resume[0] / plan.resume[1]} at step {state.step}",
                   file=sys.stderr)
     run_config = describe_run(plan, engine, world, data_dir, n_params, threads)
+    shape = run_shape(plan, engine)
     if world.is_main:
-        record_run(plan, engine, run_config, data_dir, n_params)
-    trainer = build_trainer(plan, engine, world, data_dir, state, run_config)
+        record_run(plan, engine, run_config, data_dir, n_params, shape)
+    trainer = build_trainer(plan, engine, world, data_dir, state, run_config, shape)
     try:
         summary = trainer.fit()
+    except RuntimeError as e:
+        if not lost_peer(e):
+            raise
+        raise Stopped(f"rank {world.rank} lost a peer in a collective (another rank stopped: "
+                      f"its own output says why)", EXIT_LOST_PEER) from None
     finally:
-        trainer.logger.close()
+        trainer.close()
     reference.record(engine, cfg.out, seq_len=cfg.seq_len, step=state.step,
                      vocab_size=int(plan.manifest["vocab_size"]), device=trainer.device,
                      precision=plan.precision, is_main=world.is_main)
@@ -321,13 +335,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_engine(plan: Plan):
-    """The model (same seed, same weights on every rank) inside the DeepSpeed engine."""
+def build_engine(plan: Plan, cooldown: anomaly.Cooldown):
+    """The model (same seed, same weights on every rank) inside the DeepSpeed engine; its LR
+    schedule is the plan's times the cool-down after a rollback (part of the train state)."""
     cfg = plan.cfg
     model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
                         seed=cfg.seed, for_training=True)
     n_params = count_parameters(model)
-    engine = initialize(model, plan.ds_config, plan.lr_lambda,
+    engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown),
                         optimizer_groups(model, cfg.weight_decay))
     if cfg.compile:
         engine.compile()
@@ -335,13 +350,16 @@ def build_engine(plan: Plan):
 
 
 def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
-               n_params: int) -> None:
-    """Main rank: the start-up line, RUN_DIR/config.json and the run's copy of the tokenizer."""
+               n_params: int, shape: telemetry.RunShape) -> None:
+    """Main rank: the start-up banner, RUN_DIR/config.json and the run's copy of the tokenizer."""
     cfg, world = plan.cfg, plan.world
     print(f"model: {cfg.model_name} ({plan.objective}), {n_params / 1e6:.2f}M parameters, "
           f"{plan.precision}, ZeRO-{zero_stage(plan.ds_config)}, {world.world_size} rank(s) "
           f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
           f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
+          file=sys.stderr)
+    print(telemetry.banner(shape, nodes=run_config["environment"]["nodes"],
+                           total_steps=plan.total_steps, device=plan.device.model),
           file=sys.stderr)
     write_json_atomic(cfg.out / rundir.RUN_CONFIG, run_config)
     tok_src = data_dir / plan.manifest["tokenizer"].get("dir", TOKENIZER_DIR)
@@ -386,14 +404,27 @@ def describe_run(plan: Plan, engine, world: World, data_dir: Path, n_params: int
                  "vocab_size": plan.manifest["vocab_size"]},
         "environment": {"world_size": world.world_size,
                         "local_world_size": world.local_world_size,
+                        "nodes": max(1, world.world_size // max(1, world.local_world_size)),
                         "device": plan.device.as_dict(), "cpu_threads_per_rank": threads,
                         "hostname": platform.node(), "python": platform.python_version(),
                         **versions()},
     }
 
 
+def run_shape(plan: Plan, engine) -> telemetry.RunShape:
+    """What telemetry needs to turn times into throughput and MFU (docs: app/flops.py)."""
+    cfg = plan.cfg
+    per_token = flops_per_token(ModelShape.from_config(plan.model_config), cfg.seq_len,
+                                head_fraction(plan.objective, cfg.mask_prob))
+    peak = telemetry.peak_tflops(plan.device.model, plan.precision, tf32=cfg.tf32,
+                                 override=cfg.peak_tflops)
+    return telemetry.RunShape(global_batch=engine.train_batch_size(), seq_len=cfg.seq_len,
+                              world_size=plan.world.world_size, flops_per_token=per_token,
+                              peak_tflops=peak)
+
+
 def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: TrainState,
-                  run_config: dict[str, Any]) -> Trainer:
+                  run_config: dict[str, Any], shape: telemetry.RunShape) -> Trainer:
     from app.data import DataSpec, build_eval_loader, build_train_loader, default_num_workers
 
     cfg = plan.cfg
@@ -406,20 +437,21 @@ def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: Train
         return DataSpec(data_dir, split, cfg.seq_len, plan.objective, cfg.packing, cfg.seed,
                         cfg.mask_prob)
 
-    def train_batches(consumed: int):
-        return build_train_loader(spec("train"), micro_batch=micro,
-                                  global_batch=engine.train_batch_size(), dp_rank=world.rank,
-                                  dp_size=world.world_size, consumed_samples=consumed,
-                                  num_workers=workers, pin_memory=pin)
+    def train_batches(consumed: int, skip: frozenset[int]):
+        return faults.slow_loader(build_train_loader(
+            spec("train"), micro_batch=micro, global_batch=engine.train_batch_size(),
+            dp_rank=world.rank, dp_size=world.world_size, consumed_samples=consumed,
+            num_workers=workers, pin_memory=pin, skip=skip), world.rank)
 
     def eval_batches():
         return build_eval_loader(spec("val"), micro_batch=micro,
                                  dp_rank=world.rank, dp_size=world.world_size,
                                  max_samples=cfg.eval_samples, num_workers=0, pin_memory=pin)
 
-    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb_mode=wandb_mode(cfg.wandb),
-                           run_config=run_config, project=cfg.wandb_project,
-                           run_name=cfg.out.resolve().name,
+    wandb = WandbSettings(mode=wandb_mode(cfg.wandb), project=cfg.wandb_project,
+                          name=cfg.run_name or cfg.out.resolve().name, group=cfg.wandb_group,
+                          tags=tuple(cfg.wandb_tags))
+    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb=wandb, run_config=run_config,
                            resumed_step=state.step if plan.resume else None)
     schedule = Schedule(total_steps=plan.total_steps,
                         stop_step=min(cfg.stop_at_step or plan.total_steps, plan.total_steps),
@@ -430,4 +462,24 @@ def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: Train
                    schedule=schedule, state=state, seq_len=cfg.seq_len, objective=plan.objective,
                    train_batches=train_batches,
                    eval_batches=eval_batches if plan.has_eval else None, logger=logger,
-                   ckpt_dir=cfg.out / rundir.CHECKPOINTS)
+                   run_dir=cfg.out, shape=shape, compute_clock=ComputeClock(plan.device),
+                   guards=build_guards(plan, world, state, spec("train"), engine))
+
+
+def build_guards(plan: Plan, world: World, state: TrainState, train_spec, engine) -> Guards:
+    """The anomaly rules and monitor, the agreed stop signals, the watchdog, the skipped
+    batches (every rank reads them: a resume skips them too)."""
+    from app.data import batch_samples
+
+    cfg = plan.cfg
+    rules = anomaly.Rules(policy=cfg.on_anomaly, window=cfg.spike_window, z=cfg.spike_z,
+                          rise=cfg.spike_rise, max_rollbacks=cfg.max_rollbacks,
+                          cooldown_steps=cfg.cooldown_steps, cooldown_factor=cfg.cooldown_factor)
+    skip = rundir.read_skipped(cfg.out)
+    state.consumed_samples = skip_ahead(state.consumed_samples, engine.train_batch_size(), skip)
+    return Guards(rules=rules,
+                  monitor=anomaly.LossMonitor(rules, plan.device.torch_device(world.local_rank)),
+                  stops=StopRequests(world.world_size > 1),
+                  watchdog=Watchdog(cfg.hang_timeout, world.rank), skip=skip,
+                  describe_batch=lambda g: batch_samples(train_spec, g,
+                                                         engine.train_batch_size()))

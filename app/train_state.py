@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import Field
 
+from app.anomaly import Cooldown
+from app.order import skip_ahead
 from data_tools.schema import NonNegativeInt, PositiveInt, Schema
 
 COUNTERS = ("step", "consumed_samples", "tokens_seen", "best_eval_loss")
@@ -25,22 +27,28 @@ class TrainState:
     """Global samples trained on: where the loader restarts (the whole data state)."""
     tokens_seen: int = 0
     best_eval_loss: float | None = None
+    cooldown: Cooldown = field(default_factory=Cooldown)
+    """The LR cool-down after a rollback (app.anomaly): part of the schedule, so it resumes."""
     facts: dict[str, Any] = field(default_factory=dict)
     """What the run is (world_size, global_batch, dataset_fingerprint, model_config, run_config,
     ds_config): saved for checks, never loaded back."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in COUNTERS}, **self.facts}
+        return {**{k: getattr(self, k) for k in COUNTERS},
+                "cooldown": self.cooldown.state_dict(), **self.facts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.consumed_samples, self.tokens_seen = (
             int(state[k]) for k in ("step", "consumed_samples", "tokens_seen"))
         self.best_eval_loss = state.get("best_eval_loss")
+        self.cooldown.load_state_dict(state.get("cooldown"))
 
-    def advance(self, global_batch: int, seq_len: int) -> None:
-        """One optimizer step of `global_batch` samples of `seq_len` tokens."""
+    def advance(self, global_batch: int, seq_len: int, skip: frozenset[int] = frozenset()) -> None:
+        """One optimizer step of `global_batch` samples of `seq_len` tokens; the stream position
+        then moves past any global batch in `skip`."""
         self.step += 1
-        self.consumed_samples += global_batch
+        self.consumed_samples = skip_ahead(self.consumed_samples + global_batch, global_batch,
+                                           skip)
         self.tokens_seen += global_batch * seq_len
 
 

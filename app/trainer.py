@@ -15,14 +15,18 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from app import checkpoint
-from app.device import memory_gb, synchronize, to_device
-from app.engine import (World, all_reduce_max, all_reduce_sum, grad_norm_before_step, loss_scale,
-                        reported_grad_norm)
+from app import anomaly, checkpoint, faults, rundir, telemetry
+from app.device import ComputeClock, memory_gb, synchronize, to_device
+from app.engine import (World, all_reduce_sum, apply_lr_schedule, gather_rows,
+                        grad_norm_before_step, loss_scale, reported_grad_norm)
 from app.masking import IGNORE_INDEX
 from app.metrics import MetricsLogger
-from app.timing import Window, throughput
+from app.order import skip_ahead
+from app.preemption import EXIT_PREEMPTED, StopRequests
+from app.timing import Window
 from app.train_state import TrainState
+from app.watchdog import Watchdog
+from data_tools.errors import Stopped
 
 
 @dataclass(frozen=True)
@@ -40,25 +44,47 @@ class Schedule:
     """A save that fails is skipped with a warning instead of stopping the run."""
 
 
+@dataclass
+class Guards:
+    """What keeps a run alive (docs/design.md, "Faults"): the anomaly rules and this rank's loss
+    monitor, the agreed stop requests (signals), the hang watchdog, the skipped batches."""
+
+    rules: anomaly.Rules
+    monitor: anomaly.LossMonitor
+    stops: StopRequests
+    watchdog: Watchdog
+    skip: frozenset[int]
+    """Global batches never trained on (app/rundir.py, skipped_batches.jsonl)."""
+    describe_batch: Callable[[int], list[int]]
+    """The sample ids of a global batch (for the record of a skipped one)."""
+
+
 class Trainer:
     def __init__(self, *, engine, world: World, device: torch.device, schedule: Schedule,
                  state: TrainState, seq_len: int, objective: str,
-                 train_batches: Callable[[int], Iterable],
+                 train_batches: Callable[[int, frozenset[int]], Iterable],
                  eval_batches: Callable[[], Iterable] | None,
-                 logger: MetricsLogger, ckpt_dir: Path):
+                 logger: MetricsLogger, run_dir: Path, shape: telemetry.RunShape,
+                 compute_clock: ComputeClock, guards: Guards):
         self.engine, self.world, self.device = engine, world, device
         self.schedule, self.state = schedule, state
         self.seq_len, self.objective = seq_len, objective
-        self.eval_batches = eval_batches
-        self.logger, self.ckpt_dir = logger, ckpt_dir
+        self.train_batches, self.eval_batches = train_batches, eval_batches
+        self.logger, self.run_dir = logger, run_dir
+        self.ckpt_dir = run_dir / rundir.CHECKPOINTS
+        self.shape, self.guards = shape, guards
         self.global_batch = engine.train_batch_size()  # read back: the engine owns batch sizes
         self.grad_accum = engine.gradient_accumulation_steps()
-        self.batches: Iterator = iter(train_batches(state.consumed_samples))
-        self.window = Window(state.step, sync=synchronize)
+        self.batches: Iterator = iter(train_batches(state.consumed_samples, guards.skip))
+        self.window = Window(state.step, sync=synchronize, clock=compute_clock)
         self._reset_window()
         self.last_eval: dict[str, float] = {}
+        self.intervals: list[dict[str, Any]] = []  # the logged figures, for summary.json
         self.train_seconds = 0.0
         self.session_steps = 0
+        self._batch_of: dict[int, int] = {}  # step -> its global batch, since the last check
+        self._rollbacks: list[int] = []
+        self._last_save = state.step if state.step else None
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -66,77 +92,171 @@ class Trainer:
         s, sched = self.state, self.schedule
         self.engine.train()
         self.logger.start_progress(total=sched.stop_step, done=s.step)
-        last_eval_step = last_save_step = s.step if s.step else None
-        session = Window(s.step, sync=synchronize)
         while s.step < sched.stop_step:
             self.train_step()
             self.logger.advance()
-            if s.step % sched.log_every == 0 or s.step == sched.stop_step:
+            last = s.step == sched.stop_step
+            log_due = s.step % sched.log_every == 0 or last
+            save_due = (sched.save_every and s.step % sched.save_every == 0) or last
+            if (log_due or save_due) and self.check():
+                continue  # rolled back: the state is the checkpoint's
+            if log_due:
                 self.log()
-            if sched.eval_every and s.step % sched.eval_every == 0:
+            if (sched.eval_every and s.step % sched.eval_every == 0) or last:
                 self.evaluate()
-                last_eval_step = s.step
-            if sched.save_every and s.step % sched.save_every == 0:
+            if save_due:
                 self.save()
-                last_save_step = s.step
+            if self.guards.stops.agreed():
+                self.stop_for_signal()
         self.logger.end_progress()
-        self.train_seconds = session.elapsed()
-        if last_eval_step != s.step:
-            self.evaluate()
-        if last_save_step != s.step:
-            self.save()
         return self.summary()
 
     def train_step(self) -> None:
         """One optimizer step: grad_accum micro steps; DeepSpeed steps at the boundary."""
-        s = self.state
+        s, beat = self.state, self.guards.watchdog.beat
         upcoming = s.step + 1
         log_now = upcoming % self.schedule.log_every == 0 or upcoming == self.schedule.stop_step
         self._lr = self.engine.get_lr()[0]  # the LR this step applies
+        batch_index = s.consumed_samples // self.global_batch
+        self._batch_of[upcoming] = batch_index
+        faults.hang_here(self.world.rank, upcoming)
+        step_loss = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
+            beat("waiting for data")
             with self.window.waiting_for_data():
                 batch = next(self.batches)
-            loss = self.engine(**to_device(batch, self.device)).loss
+            beat("in forward/backward (and the gradient all-reduce)")
+            with self.window.forward():
+                loss = self.engine(**to_device(batch, self.device)).loss
+            loss = faults.poisoned(loss, batch_index)
             self.engine.backward(loss)
             if log_now and micro == self.grad_accum - 1:
                 self._grad_norm = grad_norm_before_step(self.engine)
-            skipped = self.engine.skipped_steps  # a host counter: reading it costs nothing
-            self.engine.step()
-            if self.engine.skipped_steps != skipped:
-                # fp16 overflow: DeepSpeed skipped the update and held the LR schedule back; the
-                # schedule follows the step counter (and the data), so it advances all the same
-                self.engine.lr_scheduler.step()
-            self._loss_sum += loss.detach().float()  # stays on device: no sync per micro step
-            self._micro_steps += 1
-        s.advance(self.global_batch, self.seq_len)
+            beat("in the optimizer step")
+            self._optimizer_step()
+            step_loss += loss.detach().float()  # stays on device: no sync per micro step
+        self._loss_sum += step_loss
+        self._micro_steps += self.grad_accum
+        self.guards.monitor.observe(upcoming, step_loss / self.grad_accum)
+        s.advance(self.global_batch, self.seq_len, self.guards.skip)
         self.session_steps += 1
+        beat("training")
+
+    def _optimizer_step(self) -> None:
+        skipped = self.engine.skipped_steps  # a host counter: reading it costs nothing
+        self.engine.step()
+        if self.engine.skipped_steps != skipped:
+            # fp16 overflow: DeepSpeed skipped the update and held the LR schedule back; the
+            # schedule follows the step counter (and the data), so it advances all the same
+            self.engine.lr_scheduler.step()
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def check(self) -> bool:
+        """A check point (before a log and before a save): every rank's anomaly marks, gathered.
+        True when the run rolled back."""
+        rows = gather_rows(list(self.guards.monitor.marks()), self.device)
+        found = anomaly.earliest([(r[0], r[1]) for r in rows])
+        if found is None:
+            self._batch_of = {}
+            return False
+        return self.on_anomaly(found)
+
+    def on_anomaly(self, found: anomaly.Anomaly) -> bool:
+        rules, s = self.guards.rules, self.state
+        action = {"rollback": "rolling back", "skip": "skipping its batch",
+                  "stop": "stopping"}[rules.policy]
+        if rules.policy == "skip" and found.reason == "non-finite loss":
+            action = "rolling back (the weights are not finite)"
+        self.logger.alert("anomaly", f"{found.describe()}: {action} (--on-anomaly "
+                                     f"{rules.policy})")
+        self.logger.log({"step": s.step, "consumed_samples": s.consumed_samples,
+                         "tokens_seen": s.tokens_seen, "event": action,
+                         "event/reason": found.describe(), "event/step": found.step})
+        batch = self._batch_of.get(found.step)
+        if batch is not None and batch >= 0:
+            self._skip_batch(batch, found)
+        if rules.policy == "stop":
+            raise Stopped(f"{found.describe()} (--on-anomaly stop; its batch is recorded in "
+                          f"{self.run_dir / rundir.SKIPPED})", anomaly.EXIT_ANOMALY)
+        if rules.policy == "skip" and found.reason != "non-finite loss":
+            self.guards.monitor.reset()
+            return False
+        self.rollback(found)
+        return True
+
+    def _skip_batch(self, batch: int, found: anomaly.Anomaly) -> None:
+        self.guards.skip = self.guards.skip | {batch}
+        if self.world.is_main:
+            start = batch * self.global_batch
+            rundir.add_skipped(self.run_dir, {
+                "step": found.step, "global_batch": batch,
+                "positions": [start, start + self.global_batch],
+                "samples": self.guards.describe_batch(batch), "reason": found.describe()})
+
+    def rollback(self, found: anomaly.Anomaly) -> None:
+        """Back to the last checkpoint (written before the anomaly: saves follow clean checks),
+        without the skipped batches, with the LR cooled down for a while."""
+        rules, s = self.guards.rules, self.state
+        self._rollbacks = [x for x in self._rollbacks if x > s.step - rules.rollback_window]
+        self._rollbacks.append(s.step)
+        if len(self._rollbacks) > rules.max_rollbacks:
+            raise Stopped(f"{len(self._rollbacks)} rollbacks within {rules.rollback_window} steps "
+                          f"(steps {self._rollbacks}; the last: {found.describe()}); the evidence "
+                          f"is in {self.run_dir / rundir.METRICS} (events) and "
+                          f"{rundir.SKIPPED}", anomaly.EXIT_ANOMALY)
+        tag = checkpoint.latest_tag(self.ckpt_dir)
+        if tag is None:
+            raise Stopped(f"{found.describe()}, and no checkpoint to roll back to (save more "
+                          f"often: --save-every)", anomaly.EXIT_ANOMALY)
+        s.load_state_dict(checkpoint.load(self.engine, self.ckpt_dir, tag))  # cool-down too
+        checkpoint.restore_rng(self.ckpt_dir, tag, rank=self.world.rank)
+        s.consumed_samples = skip_ahead(s.consumed_samples, self.global_batch, self.guards.skip)
+        s.cooldown.begin(s.step, rules.cooldown_steps, rules.cooldown_factor)
+        apply_lr_schedule(self.engine)
+        self.batches = iter(self.train_batches(s.consumed_samples, self.guards.skip))
+        self.guards.monitor.reset()
+        self._reset_window()
+        self._batch_of = {}
+        self.logger.note(f"rolled back to {self.ckpt_dir / tag} (step {s.step}); the LR is "
+                         f"cooled down for {rules.cooldown_steps} steps")
+
+    def stop_for_signal(self) -> None:
+        """Some rank got SIGTERM/SIGUSR1/SIGINT: every rank saves the same checkpoint and the
+        run exits with EXIT_PREEMPTED (`--resume auto` continues exactly)."""
+        s = self.state
+        if not self.check() and self._last_save != s.step:
+            self.save()
+        saved = self.ckpt_dir / (checkpoint.latest_tag(self.ckpt_dir) or "(none)")
+        raise Stopped(f"a stop signal at step {s.step}: {saved} saved; run the same command "
+                      f"again to continue", EXIT_PREEMPTED)
 
     # -- named calls ----------------------------------------------------------------------------
 
     def log(self) -> None:
-        """Reduce this window's figures across ranks (the only host sync of training) and log."""
+        """Gather this window's figures from every rank (the only host sync of training: one
+        small all-gather) and log them."""
         s = self.state
-        sums = torch.stack([self._loss_sum.to(torch.float64).cpu(),
-                            torch.tensor(float(self._micro_steps), dtype=torch.float64),
-                            torch.tensor(self.window.data_wait, dtype=torch.float64),
-                            torch.tensor(self.window.elapsed(), dtype=torch.float64)]
-                           ).to(self.device)
-        all_reduce_sum(sums)
-        mem, peak = memory_gb()
-        mems = all_reduce_max(torch.tensor([mem, peak], dtype=torch.float64, device=self.device))
-        loss_sum, micro, wait, busy = sums.tolist()  # .item(): log-time host sync
+        wall = self.window.elapsed()  # syncs the device first
+        loss_sum = self._loss_sum.double().item()  # log-time host sync
+        rows = gather_rows([loss_sum, float(self._micro_steps), wall, self.window.data_wait,
+                            self.window.forward_seconds(), *memory_gb()], self.device)
         norm = (float(self._grad_norm) if self._grad_norm is not None
                 else reported_grad_norm(self.engine))
         record = {"step": s.step, "consumed_samples": s.consumed_samples,
-                  "tokens_seen": s.tokens_seen, "train/loss": loss_sum / max(micro, 1),
+                  "tokens_seen": s.tokens_seen,
+                  "train/loss": sum(r[0] for r in rows) / max(sum(r[1] for r in rows), 1),
                   "train/lr": self._lr, "train/grad_norm": norm,
                   "train/loss_scale": loss_scale(self.engine),
                   "train/skipped_steps": self.engine.skipped_steps,
-                  **throughput(steps=s.step - self.window.first_step,
-                               global_batch=self.global_batch, seq_len=self.seq_len,
-                               world_size=self.world.world_size, busy_sum=busy, wait_sum=wait),
-                  "sys/mem_gb": mems[0].item(), "sys/max_mem_gb": mems[1].item()}
+                  **telemetry.interval([r[2:] for r in rows], s.step - self.window.first_step,
+                                       self.shape)}
         self.logger.log(record)
+        self.train_seconds += wall
+        if not self.intervals:
+            self.logger.note(telemetry.expected_time(record["perf/step_time_ms"],
+                                                     self.schedule.stop_step - s.step))
+        self.intervals.append(record)
         self._reset_window()
 
     @torch.no_grad()
@@ -144,8 +264,10 @@ class Trainer:
         """Loss (and MLM accuracy) over the val pass, token-weighted across ranks."""
         if self.eval_batches is None:
             return {}
+        self.guards.watchdog.beat("evaluating")
         with self.window.paused():  # evaluation is not training time
             result = self._evaluate()
+        self.guards.watchdog.beat("training")
         s = self.state
         if s.best_eval_loss is None or result["eval/loss"] < s.best_eval_loss:
             s.best_eval_loss = result["eval/loss"]
@@ -174,6 +296,8 @@ class Trainer:
         return result
 
     def save(self) -> Path | None:
+        self.guards.watchdog.beat("saving a checkpoint")
+        self._last_save = self.state.step
         with self.window.paused():  # saving is not training time
             path = checkpoint.save(self.engine, self.ckpt_dir, step=self.state.step,
                                    state=self.state.state_dict(), rank=self.world.rank,
@@ -181,7 +305,13 @@ class Trainer:
                                    skip_errors=self.schedule.skip_failed_saves)
         if path is not None:
             self.logger.note(f"saved {path}")
+        self.guards.watchdog.beat("training")
         return path
+
+    def close(self) -> None:
+        self.guards.watchdog.close()
+        self.guards.stops.close()
+        self.logger.close()
 
     def summary(self) -> dict[str, Any]:
         s = self.state
@@ -192,7 +322,8 @@ class Trainer:
                 "tokens_per_sec": trained_tokens / max(self.train_seconds, 1e-9),
                 "samples_per_sec": self.session_steps * self.global_batch
                 / max(self.train_seconds, 1e-9),
-                "best_eval_loss": s.best_eval_loss, "final_eval": self.last_eval}
+                "best_eval_loss": s.best_eval_loss, "final_eval": self.last_eval,
+                **telemetry.run_figures(self.intervals)}
 
     def _reset_window(self) -> None:
         self._loss_sum = torch.zeros((), device=self.device)

@@ -10,7 +10,7 @@
 #
 #   --cpu       run the same checks on this machine's CPU (bf16 through DeepSpeed's CPU
 #               accelerator; flash-attention is skipped); what CI runs
-#   --steps N   optimizer steps per training check (default 20; 10 with --cpu)
+#   --steps N   optimizer steps per training check (default 20; 6 with --cpu)
 #   --keep DIR  work in DIR and keep it (default: a temporary directory, removed at the end)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
     *) echo "gpu_check.sh: error: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
-[ -n "$steps" ] || steps=$([ "$cpu" = 1 ] && echo 10 || echo 20)
+[ -n "$steps" ] || steps=$([ "$cpu" = 1 ] && echo 6 || echo 20)
 [[ "$steps" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check.sh: error: --steps $steps: a positive number" >&2; exit 2; }
 PYTHON=${PYTHON:-python}
 if [ -n "$keep" ]; then work=$keep; mkdir -p "$work"; else work=$(mktemp -d -t gpu_check.XXXXXX); trap 'rm -rf "$work"' EXIT; fi
@@ -59,14 +59,15 @@ last_error() { grep -v '^\[20' "$1" | grep -E 'error|Error' | tail -1 | cut -c1-
 
 echo "gpu_check: $([ "$cpu" = 1 ] && echo "CPU" || echo "$procs GPU rank(s)"), $steps steps a run, in $work"
 corpus=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
-"$PYTHON" -m data_tools tokenizer --input "$corpus/json" "$corpus/email" "$corpus/http" --include '*.py' \
+"$PYTHON" -m data_tools tokenizer --input "$corpus/json" "$corpus/email" --include '*.py' \
   --out "$work/tok" --vocab-size 4000 --overwrite >"$work/tok.log" 2>&1 || { result FAIL tokenizer "$(last_error "$work/tok.log")"; exit 1; }
-"$PYTHON" -m data_tools prepare --input "$corpus/json" "$corpus/email" "$corpus/http" --include '*.py' \
+"$PYTHON" -m data_tools prepare --input "$corpus/json" "$corpus/email" --include '*.py' \
   --tokenizer "$work/tok" --out "$work/data" --val-fraction 0.05 --overwrite >"$work/prep.log" 2>&1 \
   || { result FAIL prepare "$(last_error "$work/prep.log")"; exit 1; }
 
-common=(--data "$work/data" --model bert-tiny --seq-len 128 --micro-batch 8 --precision bf16
-        --log-every 5 --save-every 10 --dropout 0 --wandb disabled)
+seq=$([ "$cpu" = 1 ] && echo 64 || echo 128)
+common=(--data "$work/data" --model bert-tiny --seq-len "$seq" --micro-batch 8 --precision bf16
+        --log-every 2 --save-every 2 --dropout 0 --wandb disabled)
 train() {  # train NAME PROCS ARGS... -> run dir $work/NAME
   local name=$1 n=$2; shift 2
   bash launch.sh --procs-per-node "$n" -- --out "$work/$name" "${common[@]}" "$@" >"$work/$name.log" 2>&1
@@ -114,7 +115,7 @@ else
   result SKIP "flash-attention 2" "$([ "$cpu" = 1 ] && echo "GPU only" || echo "not installed (or a version transformers does not take)")"
 fi
 
-if train compiled 1 --zero 0 --max-steps 4 --compile --resume never --overwrite; then
+if train compiled 1 --zero 0 --max-steps 2 --compile --resume never --overwrite; then
   result PASS "torch.compile" "$(figures "$work/compiled")"
 else
   result FAIL "torch.compile" "$(last_error "$work/compiled.log")"

@@ -17,6 +17,15 @@ class UserError(Exception):
     """A problem with the user's input. The message says what is wrong and where."""
 
 
+class Stopped(Exception):
+    """The command stopped on purpose (a preemption, the anomaly policy): one line, and its own
+    exit status, which says what to do next."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line (no usage dump) and exits 2."""
 
@@ -50,6 +59,10 @@ def run_cli(prog: str, description: str, commands: Mapping[str, tuple[str, str]]
     except UserError as e:
         print(f"{prog} {args.command}: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except Stopped as e:
+        print(f"{prog} {args.command}: stopped: {e} (exit status {e.code})", file=sys.stderr,
+              flush=True)
+        return e.code
     except OSError as e:  # the environment, not a bug: a full disk, a permission, a missing file
         from data_tools.output import DISK_FULL, disk_full_message
         what = (disk_full_message(e.filename or "?") if e.errno in DISK_FULL

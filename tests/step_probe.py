@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from app.config import TrainConfig
 from app.device import detect
 from app.engine import init_distributed, world_from_env
-from app.train import build_engine, build_trainer, plan_run
+from app.train import build_engine, build_trainer, plan_run, run_shape
 from app.train_state import TrainState
 
 # ops that wait for the device to hand a value to the host
@@ -42,9 +42,13 @@ def trainer_for(data: str, out: str, objective: str, zero: int, steps: int):
                       objective=objective)
     device = detect()
     plan = plan_run(cfg, device, world_from_env())
+    # DeepSpeed's own (fused) Adam, as on an accelerator; on CPU the app picks torch's
+    # (Device.torch_adam), whose bias correction reads the step on the host
+    plan.ds_config["optimizer"]["params"]["torch_adam"] = False
     world = init_distributed(device)
-    engine, _ = build_engine(plan)
-    return build_trainer(plan, engine, world, cfg.data, TrainState(), {}), plan
+    state = TrainState()
+    engine, _ = build_engine(plan, state.cooldown)
+    return build_trainer(plan, engine, world, cfg.data, state, {}, run_shape(plan, engine)), plan
 
 
 def syncs(trainer) -> dict:

@@ -189,3 +189,17 @@ def test_ranks_come_from_torch_mpi_or_slurm_launchers(env, want):
     adopt_launcher_env(env)
     w = world_from_env(env)
     assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == want
+
+
+@pytest.mark.parametrize("path", DS_FILES, ids=lambda p: p.name)
+def test_cpu_runs_take_torchs_adam_unless_the_optimizer_is_offloaded(path):
+    """DeepSpeed's compiled CPU Adam keeps beta**step as a running product, so a resumed run
+    differs from a straight one in the last bit; torch's AdamW does not (Device.torch_adam)."""
+    raw = load_ds_config(path)
+    ds = fill(raw, path, settle_precision(raw, "auto", CPU, path), torch_adam=CPU.torch_adam)
+    offloaded = "offload" in path.name
+    assert ds["optimizer"]["params"].get("torch_adam", False) is not offloaded
+    assert "torch_adam" not in fill(raw, path, settle_precision(raw, "auto", GPU, path),
+                                    torch_adam=GPU.torch_adam)["optimizer"]["params"]
+    raw = dict(raw, optimizer={"type": "AdamW", "params": {"torch_adam": False}})
+    assert fill(raw, path, "fp32", torch_adam=True)["optimizer"]["params"]["torch_adam"] is False

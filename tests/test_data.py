@@ -290,12 +290,14 @@ def test_eval_loader_is_fixed_and_equal_across_ranks(small_dataset):
     again = list(loaders[0])
     for a, b in zip(passes[0], again):
         assert all(torch.equal(a[k], b[k]) for k in a)
-    rows = {tuple(r.tolist()) for p in passes for b in p for r in originals(b)}
-    assert len(rows) == n  # every sample once, padding repeats earlier ones
+    labelled = [tuple(r.tolist()) for p in passes for b in p
+                for r, labels in zip(originals(b), b["mlm_labels"]) if (labels != -100).any()]
+    assert len(labelled) == len(set(labelled)) == n  # every sample exactly once; filler unlabelled
     few = list(build_eval_loader(s, micro_batch=2, dp_rank=0, dp_size=1, max_samples=3,
                                  num_workers=0))
     assert [len(b["input_ids"]) for b in few] == [2, 2]
-    assert torch.equal(few[1]["mlm_labels"][1], few[0]["mlm_labels"][0])  # wrapped to the start
+    assert torch.equal(few[1]["input_ids"][1], few[0]["input_ids"][0])  # filler: the start again,
+    assert (few[1]["mlm_labels"][1] == -100).all()  # without labels: counted once
 
 
 def test_stats_and_default_workers(small_dataset):

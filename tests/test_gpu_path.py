@@ -30,9 +30,13 @@ def bf16_runs(mlm_dataset, tmp_path_factory):
     runs = {}
     for zero in (0, 1, 3):
         run = root / f"zero{zero}"
+        # DeepSpeed's fused Adam, as on an accelerator (on CPU the app picks torch's AdamW)
+        ds = json.loads((REPO / "ds_configs" / f"zero{zero}.json").read_text())
+        ds["optimizer"]["params"]["torch_adam"] = False
+        (root / f"zero{zero}.json").write_text(json.dumps(ds))
         proc = check(run_app("train", "--data", mlm_dataset, "--out", run, *TINY,
                              "--micro-batch", "8", "--max-steps", "10", "--precision", "bf16",
-                             "--zero", zero))
+                             "--ds-config", root / f"zero{zero}.json"))
         check(run_app("export", run, "--out", root / f"hf{zero}"))
         runs[zero] = (run, root / f"hf{zero}", proc.stderr)
     return runs
@@ -209,9 +213,12 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
 
 
 def test_eval_sums_in_chunks_equal_the_whole():
+    torch.manual_seed(0)
     logits = torch.randn(3, 10, 50)
     labels = torch.randint(0, 50, (3, 10))
     labels[0, :4] = -100
     for objective in ("mlm", "clm"):
         whole = token_sums(logits, labels, objective, chunk_rows=10_000)
-        torch.testing.assert_close(token_sums(logits, labels, objective, chunk_rows=7), whole)
+        # float32 sums in another order: equal to a few ulps
+        torch.testing.assert_close(token_sums(logits, labels, objective, chunk_rows=7), whole,
+                                   rtol=1e-6, atol=1e-5)

@@ -1,0 +1,59 @@
+"""Switches that make a run misbehave on purpose, for the tests that show the app copes
+(docs/design.md, "Faults"): read from the environment, off unless a test sets them.
+
+    DSPRETRAIN_TEST_SLOW_LOADER=RANK:SECONDS   that rank waits SECONDS more for every micro batch
+                                               (a starved loader: telemetry must name the rank)
+    DSPRETRAIN_TEST_POISON=G:spike|nan         global batch G's loss is a spike, or NaN
+    DSPRETRAIN_TEST_HANG=RANK:STEP             that rank hangs at that step (the watchdog)
+    DSPRETRAIN_TEST_DIE_IN_SAVE=STEP           the process dies halfway through that step's save
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable, Iterator, Mapping
+
+
+def slow_loader(batches: Iterable, rank: int,
+                env: Mapping[str, str] = os.environ) -> Iterable:
+    """`batches`, delayed on the rank DSPRETRAIN_TEST_SLOW_LOADER names (unchanged otherwise)."""
+    spec = env.get("DSPRETRAIN_TEST_SLOW_LOADER")
+    if not spec:
+        return batches
+    slow_rank, seconds = spec.split(":")
+    if int(slow_rank) != rank:
+        return batches
+    return _delayed(batches, float(seconds))
+
+
+def _delayed(batches: Iterable, seconds: float) -> Iterator:
+    for batch in batches:
+        time.sleep(seconds)
+        yield batch
+
+
+def poisoned(loss, global_batch: int, env: Mapping[str, str] = os.environ):
+    """DSPRETRAIN_TEST_POISON=G:spike|nan: the loss of global batch G is made 1000x larger, or
+    NaN (a poisoned batch: the anomaly monitor must catch it, and skipping G must cure it)."""
+    spec = env.get("DSPRETRAIN_TEST_POISON")
+    if not spec:
+        return loss
+    batch, kind = spec.split(":")
+    if int(batch) != global_batch:
+        return loss
+    return loss * 1000.0 if kind == "spike" else loss * float("nan")
+
+
+def hang_here(rank: int, step: int, env: Mapping[str, str] = os.environ) -> None:
+    """DSPRETRAIN_TEST_HANG=RANK:STEP: that rank stops making progress at that step."""
+    spec = env.get("DSPRETRAIN_TEST_HANG")
+    if spec and tuple(map(int, spec.split(":"))) == (rank, step):
+        while True:
+            time.sleep(1)
+
+
+def die_in_save(step: int, env: Mapping[str, str] = os.environ) -> None:
+    """DSPRETRAIN_TEST_DIE_IN_SAVE=STEP: the process dies (SIGKILL-like) in the middle of that
+    step's save, after DeepSpeed wrote its files and before `latest` moved."""
+    if env.get("DSPRETRAIN_TEST_DIE_IN_SAVE") == str(step):
+        os._exit(137)

@@ -1,0 +1,215 @@
+"""Never lose a run, with real processes and faults injected behind test-only switches
+(app/faults.py): a NaN and a spike from a poisoned batch (rollback, skip, recovery), SIGTERM on
+one of two ranks (a checkpoint, exit 75, an exact resume), SIGKILL of one of two ranks (resume,
+bit-identical weights), a process killed in the middle of a save (the previous checkpoint used),
+ids past the vocabulary (one line naming the shard), and a hung rank (the watchdog names it)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import REPO, TINY, check, clean_env, error_lines, free_port, metrics, run_app
+
+pytestmark = pytest.mark.slow
+
+COMMON = [*TINY, "--log-every", "5", "--save-every", "10", "--dropout", "0", "--lr", "2e-3"]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in metrics(run) if "train/loss" in r}
+
+
+@pytest.fixture(scope="module")
+def clean(mlm_dataset, tmp_path_factory):
+    run = tmp_path_factory.mktemp("clean") / "run"
+    check(run_app("train", "--data", mlm_dataset, "--out", run, *COMMON, "--max-steps", "40"))
+    return run
+
+
+def test_a_nan_batch_rolls_back_skips_it_and_recovers(mlm_dataset, clean, tmp_path):
+    run = tmp_path / "run"
+    proc = check(run_app("train", "--data", mlm_dataset, "--out", run, *COMMON,
+                         "--max-steps", "40",
+                         env=clean_env(DSPRETRAIN_TEST_POISON="23:nan")))
+    assert "non-finite loss at step 24" in proc.stderr and "rolling back" in proc.stderr
+    events = [r for r in metrics(run) if "event" in r]
+    assert [e["event/step"] for e in events] == [24] and events[0]["event"] == "rolling back"
+    skipped = [json.loads(line) for line in
+               (run / "skipped_batches.jsonl").read_text().splitlines()]
+    assert [s["global_batch"] for s in skipped] == [23] and len(skipped[0]["samples"]) == 4
+    assert skipped[0]["positions"] == [92, 96]
+    final, reference = losses(run)[40], losses(clean)[40]
+    assert np.isfinite(final) and abs(final - reference) < 0.25 * reference, (final, reference)
+    # the cool-down: the first steps after the rollback ran at a tenth of the schedule's LR
+    lrs = {r["step"]: r["train/lr"] for r in metrics(run) if "train/lr" in r}
+    clean_lrs = {r["step"]: r["train/lr"] for r in metrics(clean) if "train/lr" in r}
+    assert lrs[25] < 0.2 * clean_lrs[25]
+
+
+def test_a_spike_is_skipped_under_the_skip_policy(mlm_dataset, tmp_path):
+    run = tmp_path / "run"
+    proc = check(run_app("train", "--data", mlm_dataset, "--out", run, *COMMON,
+                         "--max-steps", "40", "--on-anomaly", "skip",
+                         env=clean_env(DSPRETRAIN_TEST_POISON="27:spike")))
+    assert "loss spike at step 28" in proc.stderr and "skipping its batch" in proc.stderr
+    assert "rolled back" not in proc.stderr
+    assert json.loads((run / "skipped_batches.jsonl").read_text())["global_batch"] == 27
+    # a later run from an earlier checkpoint of this directory skips batch 27 too
+    from app.order import rank_positions
+    from app.rundir import read_skipped
+
+    skip = read_skipped(run)
+    positions = rank_positions(26 * 4, 4, 0, 1, skip)
+    assert [next(positions) for _ in range(8)] == [104, 105, 106, 107, 112, 113, 114, 115]
+
+
+def test_stop_policy_stops_with_the_evidence(mlm_dataset, tmp_path):
+    proc = run_app("train", "--data", mlm_dataset, "--out", tmp_path / "run", *COMMON,
+                   "--max-steps", "40", "--on-anomaly", "stop",
+                   env=clean_env(DSPRETRAIN_TEST_POISON="25:nan"))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "stopped: non-finite loss at step 26" in proc.stderr
+
+
+def _launch(args: list, env: dict) -> subprocess.Popen:
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    return subprocess.Popen([launcher, "--num_gpus", "2", "--no_local_rank", "--master_port",
+                             str(free_port()), "--module", "app", *map(str, args)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _ranks(out: Path) -> list[int]:
+    """pids of the rank processes of the run writing to `out` (rank 0 first)."""
+    found = subprocess.run(["pgrep", "-f", "--", f"-m app train .*--out {out}( |$)"],
+                           capture_output=True, text=True).stdout.split()
+    return sorted(int(p) for p in found)
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run / "metrics.jsonl").is_file() and any(
+                r.get("step", 0) >= step for r in metrics(run)):
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} in {timeout} s")
+
+
+@pytest.mark.multirank
+def test_sigterm_on_one_rank_checkpoints_and_resumes_exactly(mlm_dataset, tmp_path):
+    args = ["train", "--data", mlm_dataset, *COMMON, "--log-every", "1", "--max-steps", "40"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    check(subprocess.run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
+                          "--no_local_rank", "--master_port", str(free_port()), "--module",
+                          "app", *map(str, args), "--out", str(full)], cwd=REPO,
+                         env=clean_env(), capture_output=True, text=True, timeout=900))
+    proc = _launch(args + ["--out", cut, "--save-every", "1000"], clean_env())
+    _wait_for_step(cut, 12, proc)
+    os.kill(_ranks(cut)[-1], signal.SIGTERM)  # one rank only: they agree to stop together
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:]
+    assert "a stop signal at step" in out
+    tag = (cut / "checkpoints" / "latest").read_text()
+    stopped_at = int(tag.removeprefix("global_step"))
+    assert 12 <= stopped_at < 40
+    proc = _launch(args + ["--out", cut, "--save-every", "1000"], clean_env())
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    a, b = losses(full), losses(cut)
+    assert all(a[s] == pytest.approx(b[s], rel=1e-5) for s in range(stopped_at + 1, 41))
+
+
+@pytest.mark.multirank
+def test_sigkill_of_a_rank_then_resume_gives_bit_identical_weights(mlm_dataset, tmp_path):
+    args = ["train", "--data", mlm_dataset, *COMMON, "--max-steps", "30"]
+    full, crash = tmp_path / "full", tmp_path / "crash"
+    proc = _launch(args + ["--out", full], clean_env())
+    assert proc.wait(timeout=900) == 0, proc.stdout.read()[-3000:]
+    proc = _launch(args + ["--out", crash], clean_env())
+    _wait_for_step(crash, 17, proc)
+    os.kill(_ranks(crash)[-1], signal.SIGKILL)
+    proc.communicate(timeout=300)
+    assert proc.returncode != 0  # the launcher ended the job: no hung peer
+    proc = _launch(args + ["--out", crash], clean_env())
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    for name in ("full", "crash"):
+        check(run_app("export", tmp_path / name, "--out", tmp_path / f"hf_{name}"))
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / f"hf_{n}" / "model.safetensors") for n in ("full", "crash"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_killed_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(mlm_dataset,
+                                                                             tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--data", mlm_dataset, "--out", run, *COMMON, "--max-steps", "30"]
+    proc = run_app(*args, env=clean_env(DSPRETRAIN_TEST_DIE_IN_SAVE="20"))
+    assert proc.returncode == 137
+    assert (run / "checkpoints" / "latest").read_text() == "global_step10"
+    assert (run / "checkpoints" / "global_step20").is_dir()  # what the save left
+    proc = check(run_app(*args))
+    assert "global_step20: an interrupted save" in proc.stderr
+    assert "resumed from" in proc.stderr and "at step 10" in proc.stderr
+    assert (run / "checkpoints" / "latest").read_text() == "global_step30"
+
+
+@pytest.mark.multirank
+def test_ids_past_the_vocabulary_are_one_line_naming_the_shard(mlm_dataset, tmp_path):
+    import shutil
+
+    data = Path(shutil.copytree(mlm_dataset, tmp_path / "data"))
+    shard = data / "train_00000.bin"
+    ids = np.memmap(shard, dtype=np.uint16, mode="r+")
+    ids[::500] = 65535
+    ids.flush()
+    proc = subprocess.run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
+                           "--no_local_rank", "--master_port", str(free_port()), "--module",
+                           "app", "train", "--data", str(data), "--out", str(tmp_path / "r"),
+                           *map(str, TINY), "--max-steps", "5", "--num-workers", "1"], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in error_lines(proc.stderr) if ": error: " in ln]
+    assert lines and all(f"{shard}: token id 65535 in sample" in ln for ln in lines), lines
+
+
+@pytest.mark.multirank
+def test_a_hung_rank_is_named_by_the_watchdog(mlm_dataset, tmp_path):
+    proc = _launch(["train", "--data", mlm_dataset, "--out", tmp_path / "r", *TINY,
+                    "--max-steps", "30", "--hang-timeout", "8"],
+                   clean_env(DSPRETRAIN_TEST_HANG="1:6"))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "rank 1: no progress for" in out and "exit 124" in out
+    assert "hang_here" in out  # where it hangs: the stacks of its threads
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(tmp_path):
+    """torch's JIT build lock is a bare file; a rank killed while loading DeepSpeed's ops leaves
+    it, and without app.engine.load_op every later start on the node would wait for ever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    code = ("from app.engine import load_op; load_op('ShareMemCommBuilder');"
+            "load_op('FusedAdamBuilder'); print('loaded')")
+    check(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
+                         capture_output=True, text=True, timeout=600))  # built and cached
+    for name in ("deepspeed_shm_comm", "fused_adam"):
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        lock.touch()  # what a process killed inside torch's build leaves behind
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
+                              capture_output=True, text=True, timeout=120)
+        check(proc)
+        assert "loaded" in proc.stdout and not lock.exists()
+        assert f"removing {lock}, a build lock left by a process killed" in proc.stderr

@@ -200,9 +200,9 @@ class MixedWindows(Dataset):
     def sample_ids(self, positions: range) -> dict[str, list]:
         """The (source, sample) each position reads, as parallel lists."""
         sources, local = self.mixture.locate_many(np.asarray(positions))
-        return {"sources": [self.spec.names[s] for s in sources.tolist()],
-                "samples": [self.sources[s].sample_index(k)
-                            for s, k in zip(sources.tolist(), local.tolist())]}
+        return {"samples": [self.sources[s].sample_index(k)
+                            for s, k in zip(sources.tolist(), local.tolist())],
+                "sources": [self.spec.names[s] for s in sources.tolist()]}
 
 
 def windows(spec: DataSpec | MixtureSpec) -> TokenWindows | MixedWindows:

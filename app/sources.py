@@ -115,12 +115,13 @@ class Sources:
         key = [(s["fingerprint"], s["share"]) for s in now or []]
         if saved is not None and key == [(s.get("fingerprint"), s.get("share")) for s in saved]:
             return
-        was = (describe([s.get("name") for s in saved], [s.get("share") for s in saved])
+        was = ("the mixture " + describe([s.get("name") for s in saved],
+                                         [s.get("share") for s in saved])
                if saved else "one dataset")
-        is_ = describe(self.names, self.mixture.fractions) if now else "one dataset"
-        raise UserError(f"{where}: the checkpoint was trained on the mixture {was}, --data is "
-                        f"{is_} (different sources or weights): refusing to resume on a changed "
-                        f"mixture (use a new --out, or --resume never)")
+        is_ = "the mixture " + describe(self.names, self.mixture.fractions) if now else "one dataset"
+        raise UserError(f"{where}: the checkpoint was trained on {was}, --data is {is_} (other "
+                        f"sources or weights): refusing to resume on a changed mixture (use a new "
+                        f"--out, or --resume never)")
 
 
 def read_sources(data: Path | Sequence[str]) -> Sources:
@@ -131,9 +132,9 @@ def read_sources(data: Path | Sequence[str]) -> Sources:
               else [_from_arg(a) for a in data])
     if len(wanted) > MAX_SOURCES:
         raise UserError(f"--data: {len(wanted)} sources; a mixture takes at most {MAX_SOURCES}")
-    items = _named([(path, weight, name, _manifest(path, where))
-                    for path, weight, name, where in wanted])
-    _check_distinct(items)
+    found = [(path, weight, name, _manifest(path, where)) for path, weight, name, where in wanted]
+    _check_distinct(found)
+    items = _named(found)
     _check_tokenizers(items)
     if len(items) == 1:
         return Sources(items, None)
@@ -211,20 +212,19 @@ def _named(found: list[tuple[Path, float, str | None, dict]]) -> tuple[Source, .
     return tuple(items)
 
 
-def _check_distinct(items: Sequence[Source]) -> None:
-    seen: dict[Path, Source] = {}
-    prints: dict[str, Source] = {}
-    for s in items:
-        real = s.path.resolve()
-        if real in seen:
-            raise UserError(f"--data: {s.path} is listed twice (as {seen[real].name} and "
-                            f"{s.name}); list it once, with the sum of the weights")
-        other = prints.get(s.manifest["fingerprint"])
-        if other is not None:
-            raise UserError(f"--data: {other.path} and {s.path} hold the same dataset "
-                            f"(fingerprint {s.manifest['fingerprint']} in both {MANIFEST}); list "
-                            f"it once, with the sum of the weights")
-        seen[real], prints[s.manifest["fingerprint"]] = s, s
+def _check_distinct(found: list[tuple[Path, float, str | None, dict]]) -> None:
+    paths: dict[Path, Path] = {}
+    prints: dict[str, Path] = {}
+    for path, _, _, manifest in found:
+        real, fingerprint = path.resolve(), manifest["fingerprint"]
+        if real in paths:
+            raise UserError(f"--data: {path} is listed twice; list it once, with the sum of the "
+                            f"weights")
+        if fingerprint in prints:
+            raise UserError(f"--data: {prints[fingerprint]} and {path} hold the same dataset "
+                            f"(fingerprint {fingerprint} in both {MANIFEST}); list it once, with "
+                            f"the sum of the weights")
+        paths[real], prints[fingerprint] = path, path
 
 
 def _check_tokenizers(items: Sequence[Source]) -> None:

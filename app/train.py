@@ -80,6 +80,10 @@ class Plan:
     resume: tuple[Path, str] | None
     """(checkpoint dir, tag) to resume from."""
 
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_sources)
+
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     sources = read_sources(cfg.data)

@@ -13,7 +13,6 @@ own order (a permutation per epoch of that source), keyed by its own seed (`sour
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
@@ -94,16 +93,7 @@ def source_seed(seed: int, source: int) -> int:
     return mix64(mix64(seed & ((1 << 64) - 1)) + source + 1) & ((1 << 63) - 1)
 
 
-def epochs(drawn: Sequence[int], num_samples: Sequence[int]) -> list[float]:
-    """Epochs of each source after `drawn` draws: how often it has been read through."""
-    return [d / n for d, n in zip(drawn, num_samples)]
-
-
 def describe(names: Sequence[str], fractions: Sequence[float]) -> str:
     """'0.700 web, 0.300 code': a mixture in one line."""
     return ", ".join(f"{f:.3f} {n}" for n, f in zip(names, fractions))
 
-
-def check_finite(value: float) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
-        value) and value > 0

@@ -79,8 +79,8 @@ class Sources:
 
     @property
     def fingerprint(self) -> str:
-        """The data's identity: the dataset's fingerprint, or one of the mixture's sources and
-        their quantised shares (what decides the sample stream; names and paths do not)."""
+        """The data's identity: the dataset's fingerprint, or a hash of the mixture's sources'
+        fingerprints and quantised shares (what decides the stream; names and paths do not)."""
         if not self.is_mixture:
             return self.manifest["fingerprint"]
         h = new_hasher()
@@ -108,24 +108,27 @@ class Sources:
         return [stage_to / s.name for s in self.items] if self.is_mixture else [stage_to]
 
     def check_resume(self, saved: list[dict[str, Any]] | None, where: Path) -> None:
-        """Refuse to resume a mixture run on another mixture (sources or weights)."""
-        if saved is None and not self.is_mixture:
-            return
+        """Refuse to resume a mixture run on another mixture (sources or weights), or on one
+        dataset, and the other way round (`saved`: the checkpoint's record, None for one)."""
         now = self.record() if self.is_mixture else None
-        key = [(s["fingerprint"], s["share"]) for s in now or []]
-        if saved is not None and key == [(s.get("fingerprint"), s.get("share")) for s in saved]:
+        if [(s["fingerprint"], s["share"]) for s in now or []] == [
+                (s.get("fingerprint"), s.get("share")) for s in saved or []]:
             return
-        was = ("the mixture " + describe([s.get("name") for s in saved],
-                                         [s.get("share") for s in saved])
-               if saved else "one dataset")
-        is_ = "the mixture " + describe(self.names, self.mixture.fractions) if now else "one dataset"
-        raise UserError(f"{where}: the checkpoint was trained on {was}, --data is {is_} (other "
-                        f"sources or weights): refusing to resume on a changed mixture (use a new "
-                        f"--out, or --resume never)")
+        raise UserError(f"{where}: the checkpoint was trained on {_said(saved)}, --data is "
+                        f"{_said(now)} (other sources or weights): refusing to resume on a "
+                        f"changed mixture (use a new --out, or --resume never)")
+
+
+def _said(record: list[dict[str, Any]] | None) -> str:
+    if not record:
+        return "one dataset"
+    return "the mixture " + describe([s.get("name") for s in record],
+                                     [s.get("share") for s in record])
 
 
 def read_sources(data: Path | Sequence[str]) -> Sources:
-    """The run's datasets from --data (TrainConfig.data), every one checked."""
+    """The run's datasets from --data (TrainConfig.data), every one checked. A mixture of one
+    source is that dataset alone (its weight and name aside)."""
     if isinstance(data, Path):
         return Sources((Source(data.name, data, 1.0, load_manifest(data)),), None)
     wanted = (_from_file(Path(data[0])) if len(data) == 1 and data[0].endswith(".json")

@@ -117,7 +117,7 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate on the val split every N steps (0: only at the end)."""
     eval_samples: int = 256
-    """Val samples per evaluation (at most the split's)."""
+    """Val samples per evaluation (at most the split's; of each source, in a mixture)."""
     log_every: int = 10
     """Steps between log lines (host syncs and cross-rank reductions happen only then)."""
     num_workers: int | None = None

@@ -353,7 +353,10 @@ def eval_figures(sets: list[EvalSet], totals: list[list[float]], objective: str
     loss = [t[0] / max(t[1], 1) for t in totals]
     accuracy = [t[2] / max(t[1], 1) for t in totals]
     weights = [s.weight for s in sets]
-    mean = (lambda xs: sum(w * x for w, x in zip(weights, xs)) / sum(weights))
+
+    def mean(xs: list[float]) -> float:
+        return sum(w * x for w, x in zip(weights, xs)) / sum(weights)
+
     result = {f"eval/{s.name}/loss": x for s, x in zip(sets, loss) if s.name is not None}
     overall = mean(loss)
     result.update({"eval/loss": overall, "eval/perplexity": math.exp(min(overall, 50.0))})

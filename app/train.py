@@ -474,11 +474,15 @@ def run_shape(plan: Plan, engine) -> telemetry.RunShape:
                               peak_tflops=peak)
 
 
-def build_trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state: TrainState,
-                  run_config: dict[str, Any], shape: telemetry.RunShape) -> Trainer:
+def build_trainer(plan: Plan, engine, world: World, data_dirs: Path | list[Path],
+                  state: TrainState, run_config: dict[str, Any],
+                  shape: telemetry.RunShape) -> Trainer:
+    """The loop with its loaders (`data_dirs`: where each dataset is read from; one directory
+    for one dataset), logger, schedule and guards."""
     from app.data import (DataSpec, MixtureSpec, build_eval_loader, build_train_loader,
                           default_num_workers)
 
+    data_dirs = [data_dirs] if isinstance(data_dirs, Path) else data_dirs
     cfg = plan.cfg
     workers = (cfg.num_workers if cfg.num_workers is not None
                else default_num_workers(world.local_world_size))

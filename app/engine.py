@@ -304,7 +304,8 @@ def init_distributed(device: Device, timeout_minutes: float = 30.0) -> World:
                         f"pass another one (launch.sh --master-port, deepspeed "
                         f"--master_port)") from None
     world = world_from_env()
-    unlink_shm_buffer(world)
+    if device.is_cpu:  # the shm op is the CPU accelerator's
+        unlink_shm_buffer(world)
     return world
 
 

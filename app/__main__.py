@@ -1,4 +1,4 @@
-"""`python -m app COMMAND`: train | export | report | demo | plan | tune."""
+"""`python -m app COMMAND`: train | export | report | demo | plan | tune | convert."""
 from __future__ import annotations
 
 import sys
@@ -15,6 +15,8 @@ COMMANDS = {
              "the whole pipeline on Python's standard-library sources (the quickstart)"),
     "plan": ("app.plan", "memory, batch and throughput per ZeRO stage before a run"),
     "tune": ("app.tune", "measure the largest micro batch and the loader workers on this machine"),
+    "convert": ("app.convert",
+                "make a checkpoint loadable under another ZeRO stage and world size (offline)"),
 }
 
 

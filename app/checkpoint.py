@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from app import faults
+from app import faults, universal
 from app.device import rng_state, set_rng_state
 from app.engine import any_rank, barrier, world_size
 from app.rundir import CHECKPOINTS
@@ -103,7 +103,11 @@ def check_files(tag_dir: Path) -> None:
     """Refuse a checkpoint whose files are cut short (a zip's central directory sits at its end,
     so opening each one is a cheap check that catches truncation); names the file."""
     files = sorted(tag_dir.glob("*.pt"))
-    if not any(f.name.endswith("model_states.pt") for f in files):
+    if universal.is_universal(tag_dir):
+        universal.read_info(tag_dir)
+        if not (tag_dir / universal.STATE_FILE).is_file():
+            raise UserError(f"{tag_dir}: no {universal.STATE_FILE} (an incomplete conversion)")
+    elif not any(f.name.endswith("model_states.pt") for f in files):
         raise UserError(f"{tag_dir}: no *model_states.pt (an incomplete checkpoint)")
     for f in files:
         try:
@@ -226,11 +230,26 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[str]:
     removed = [name for _, name in tags if name not in keep]
     for name in removed:
         shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+        shutil.rmtree(universal.path_for(ckpt_dir, name), ignore_errors=True)  # converted
     return removed
 
 
 def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
-    """Load model, optimizer and scheduler states; return the train state. RNG: `restore_rng`."""
+    """Load model, optimizer and scheduler states; return the train state. RNG: `restore_rng`.
+
+    A checkpoint written in another layout (ZeRO stage, world size, precision, offload) is
+    loaded through its universal form (app/universal.py): converted once by rank 0, next to it.
+    """
+    tag_dir = ckpt_dir / tag
+    if universal.is_universal(tag_dir):
+        return universal.load(engine, tag_dir)
+    state = read_state(ckpt_dir, tag)
+    here = universal.layout_of(engine.config, world_size())
+    if not universal.saved_layout(state).loads_natively(here):
+        if engine.global_rank == 0:
+            universal.ensure(ckpt_dir, tag, state, here)
+        barrier()
+        return universal.load(engine, universal.path_for(ckpt_dir, tag))
     try:
         path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)

@@ -5,9 +5,11 @@ the dataset's tokenizer, and any config field can be overridden (`--model-arg ke
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -205,24 +207,22 @@ class SparseHeadBertForMaskedLM(BertForMaskedLM):
 
 
 def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = False,
-                seed: int | None = None, for_training: bool = False) -> torch.nn.Module:
+                seed: int | None = None, for_training: bool = False,
+                zero3_config: Mapping[str, Any] | None = None) -> torch.nn.Module:
     """A freshly initialised model for the config's objective (same seed, same weights).
 
     `for_training`: the MLM head takes the loader's masked positions (SparseHeadBertForMaskedLM),
     and the model skips transformers' per-forward look for padding in inputs given without an
     attention mask (a host sync each step; the loader hands over a mask whenever it pads).
+    `zero3_config`: a ZeRO-3 DeepSpeed config; the model is then built partitioned
+    (`deepspeed.zero.Init`, in a process group): no rank ever holds all of it, and its weights
+    are the same as an unpartitioned build's (see `_partitioned`).
     """
     if seed is not None:
         torch.manual_seed(seed)
     auto = AutoModelForMaskedLM if objective_of(config) == "mlm" else AutoModelForCausalLM
-    try:
-        if for_training and config.model_type == "bert":
-            model = SparseHeadBertForMaskedLM._from_config(
-                config, attn_implementation=config._attn_implementation)
-        else:
-            model = auto.from_config(config, attn_implementation=config._attn_implementation)
-    except (ImportError, ValueError) as e:  # e.g. flash_attention_2 without its package
-        raise UserError(f"--attn {config._attn_implementation}: {e}".splitlines()[0]) from None
+    with _partitioned(zero3_config):
+        model = _instantiate(config, auto, for_training)
     if for_training:
         for part in model.modules():  # the base model (GPT2Model, ...) is the one that looks
             if isinstance(part, PreTrainedModel):
@@ -237,6 +237,78 @@ def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = Fals
     return model
 
 
+def _instantiate(config: PretrainedConfig, auto, for_training: bool) -> torch.nn.Module:
+    try:
+        if for_training and config.model_type == "bert":
+            model = SparseHeadBertForMaskedLM._from_config(
+                config, attn_implementation=config._attn_implementation)
+        else:
+            model = auto.from_config(config, attn_implementation=config._attn_implementation)
+    except (ImportError, ValueError) as e:  # e.g. flash_attention_2 without its package
+        raise UserError(f"--attn {config._attn_implementation}: {e}".splitlines()[0]) from None
+    return model
+
+
+@contextlib.contextmanager
+def _partitioned(zero3_config: Mapping[str, Any] | None) -> Iterator[None]:
+    """Build inside `deepspeed.zero.Init`: each module's parameters are partitioned across the
+    ranks as soon as the module is constructed, so a rank holds its shard plus at most one
+    module's full tensors, never the model.
+
+    transformers initialises weights in `post_init` (`init_weights`), which runs inside each
+    PreTrainedModel's constructor, after its submodules are already partitioned (empty on every
+    rank). For the duration of the build `init_weights` is replaced by one that visits the
+    modules in transformers' own order and runs the model's own `_initialize_weights` on each
+    with that module's parameters gathered (`GatheredParameters`, rank 0's result kept). The
+    random draws happen in the same order as in an unpartitioned build, so the weights are the
+    same, bit for bit (tests/test_zero_switch.py).
+    """
+    if zero3_config is None:
+        yield
+        return
+    import deepspeed
+
+    original = PreTrainedModel.init_weights
+    PreTrainedModel.init_weights = _gathered_init_weights
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=dict(zero3_config)):
+            yield
+    finally:
+        PreTrainedModel.init_weights = original
+
+
+def _gathered_init_weights(self: PreTrainedModel) -> None:
+    """`PreTrainedModel.init_weights` for partitioned parameters (see `_partitioned`)."""
+    import deepspeed
+    from transformers import initialization
+
+    custom = self.is_custom_code() if hasattr(self, "is_custom_code") else False
+    two_args = len(inspect.signature(self._initialize_weights).parameters) >= 2
+    guard = getattr(initialization, "guard_torch_init_functions", contextlib.nullcontext)
+
+    def visit(module: torch.nn.Module, init_fn) -> None:
+        for child in module.children():
+            visit(child, child._initialize_weights if isinstance(child, PreTrainedModel)
+                  else init_fn)
+        if getattr(module, "_is_hf_initialized", False):
+            return
+        # a module's init may also write its direct children's parameters (as transformers has it)
+        params = list(module.parameters(recurse=False))
+        for child in module.children():
+            if not isinstance(child, PreTrainedModel):
+                params.extend(child.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")],
+                                               modifier_rank=0):
+            init_fn(module, custom) if two_args else init_fn(module)
+
+    with torch.no_grad(), guard():
+        visit(self, self._initialize_weights)
+    if "recompute_mapping" in inspect.signature(self.tie_weights).parameters:
+        self.tie_weights(recompute_mapping=False)  # as transformers' own init_weights calls it
+    else:
+        self.tie_weights()
+
+
 def _no_padding_check(input_ids, attention_mask) -> None:
     """See build_model: the loader never pads without handing over an attention mask."""
 
@@ -249,11 +321,13 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
                   for p in m.parameters()}
     decay, other = [], []
     for p in {id(p): p for p in model.parameters() if p.requires_grad}.values():
-        (decay if p.ndim >= 2 and id(p) not in embeddings else other).append(p)
+        ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition is flat; its shape
+        (decay if ndim >= 2 and id(p) not in embeddings else other).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": other, "weight_decay": 0.0}]
 
 
 def count_parameters(model: torch.nn.Module) -> int:
     """Unique parameters (tied weights once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return sum(getattr(p, "ds_numel", p.numel())  # ZeRO-3: the whole, not this rank's shard
+               for p in {id(p): p for p in model.parameters()}.values())

@@ -13,13 +13,13 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from app import anomaly, checkpoint, faults, reference, rundir, telemetry
+from app import anomaly, checkpoint, faults, reference, rundir, telemetry, universal
 from app import config as config_mod
 from app.config import TrainConfig
 from app.device import (ComputeClock, Device, attention_implementation, detect, enable_tf32,
@@ -34,6 +34,7 @@ from app.model import (build_config, build_model, count_parameters, max_position
                        optimizer_groups, parse_overrides, preset)
 from app.schedule import schedule_fn
 from app.train_state import TrainState
+from app.universal import Layout, is_universal, layout_of, saved_layout
 from app.order import skip_ahead
 from app.preemption import StopRequests
 from app.sources import Source, Sources, read_sources
@@ -79,6 +80,8 @@ class Plan:
     """The datasets with a val split to evaluate on."""
     resume: tuple[Path, str] | None
     """(checkpoint dir, tag) to resume from."""
+    switch: Switch
+    """The checkpoint's layout against this run's, and the run's layout history."""
 
     @property
     def has_eval(self) -> bool:
@@ -103,6 +106,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
     resume = settle_resume(cfg, sources, model_config, objective, ds, world)
+    switch = settle_switch(resume, ds, world, gbs)
     if world.is_main:
         print_data(sources, stats, cfg.seq_len, gbs, total_steps)
     return Plan(cfg=cfg, device=device, world=world, sources=sources, manifest=manifest,
@@ -110,7 +114,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
                 precision=precision, micro_batch=micro, grad_accum=accum, global_batch=gbs,
                 total_steps=total_steps, warmup_steps=warmup, lr_lambda=lr_lambda,
                 train_samples=tuple(st["num_samples"] for st in stats),
-                eval_sources=eval_sources, resume=resume)
+                eval_sources=eval_sources, resume=resume, switch=switch)
 
 
 def print_data(sources: Sources, stats: list[dict[str, Any]], seq_len: int, gbs: int,
@@ -224,11 +228,47 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: s
                                model_config=model_config.to_dict(),
                                sample_layout=sample_layout(cfg, objective), where=where)
     checkpoint.check_files(where)
-    saved_world = state["world_size"]
-    if zero_stage(ds) > 0 and saved_world != world.world_size:
-        raise UserError(f"{where}: written by {saved_world} ranks with ZeRO partitions; resume "
-                        f"it with {saved_world} ranks, not {world.world_size}")
     return resume
+
+
+@dataclass(frozen=True)
+class Switch:
+    """How this run's layout relates to the checkpoint it resumes (app/universal.py)."""
+
+    saved: Layout | None
+    now: Layout
+    history: tuple[dict[str, Any], ...]
+    """Every layout the run has had: {"step", "zero_stage", "world_size", "precision",
+    "offload"}, one entry per change (checkpoints and config.json record it)."""
+    convert: bool
+    """The checkpoint is not loadable as it is: load its universal form."""
+
+
+def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: World,
+                  global_batch: int) -> Switch:
+    """Compare the checkpoint's layout with this run's; say what changes."""
+    now = layout_of(ds, world.world_size)
+    entry = {"step": 0, **asdict(now)}
+    if resume is None:
+        return Switch(None, now, (entry,), False)
+    state = checkpoint.read_state(*resume)
+    saved = saved_layout(state)
+    history = tuple(state.get("history") or ({"step": 0, **asdict(saved)},))
+    tag_dir = resume[0] / resume[1]
+    convert = not is_universal(tag_dir) and not saved.loads_natively(now)
+    if saved != now:
+        history += ({**entry, "step": int(state["step"])},)
+    if world.is_main and saved != now:
+        how = ("converting it" if convert else "DeepSpeed loads it as it is") \
+            if not is_universal(tag_dir) else "a converted checkpoint"
+        print(f"resume: {tag_dir} was written with {saved}; this run is {now} ({how})",
+              file=sys.stderr)
+    if world.is_main and state["global_batch"] != global_batch:
+        print(f"resume: the global batch was {state['global_batch']} samples and is "
+              f"{global_batch} now: continuing from sample {state['consumed_samples']:,} "
+              f"(step {state['step']}); the step count and LR schedule continue from there",
+              file=sys.stderr)
+    return Switch(saved, now, history, convert)
 
 
 def sample_layout(cfg: TrainConfig, objective: str) -> dict[str, Any]:
@@ -333,6 +373,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_run(cfg, device, world_from_env())
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         prepare_run_dir(cfg, plan.resume)
+        if plan.switch.convert:  # once, next to the checkpoint (checkpoint.load reuses it)
+            universal.ensure(*plan.resume, checkpoint.read_state(*plan.resume), plan.switch.now)
     data_dirs = (stage_data(cfg, plan.sources, plan.world) if cfg.stage_to
                  else plan.sources.paths)
     enable_tf32(device, plan.precision, cfg.tf32)
@@ -346,7 +388,8 @@ def run(args: argparse.Namespace) -> int:
                    **({"mixture": plan.sources.record()} if plan.sources.is_mixture else {}),
                    "model_config": plan.model_config.to_dict(), "run_config": cfg.to_dict(),
                    "ds_config": plan.ds_config,
-                   "flat_master_groups": checkpoint.flat_master_groups(engine)}
+                   "flat_master_groups": checkpoint.flat_master_groups(engine),
+                   **asdict(plan.switch.now), "history": list(plan.switch.history)}
     if plan.resume is not None:
         state.load_state_dict(checkpoint.load(engine, *plan.resume))
         checkpoint.restore_rng(*plan.resume, rank=world.rank)
@@ -381,8 +424,10 @@ def build_engine(plan: Plan, cooldown: anomaly.Cooldown):
     """The model (same seed, same weights on every rank) inside the DeepSpeed engine; its LR
     schedule is the plan's times the cool-down after a rollback (part of the train state)."""
     cfg = plan.cfg
+    # ZeRO-3: built partitioned (no rank holds the whole model), same weights as ZeRO 0-2
+    zero3 = plan.ds_config if zero_stage(plan.ds_config) == 3 else None
     model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
-                        seed=cfg.seed, for_training=True)
+                        seed=cfg.seed, for_training=True, zero3_config=zero3)
     n_params = count_parameters(model)
     engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown),
                         optimizer_groups(model, cfg.weight_decay))
@@ -437,6 +482,7 @@ def describe_run(plan: Plan, engine, world: World, data_dirs: list[Path], n_para
                      "decay": cfg.lr_decay, "lr": cfg.lr, "min_lr_ratio": cfg.min_lr_ratio},
         "precision": plan.precision,
         "zero_stage": zero_stage(plan.ds_config),
+        "history": list(plan.switch.history),
         "ds_config_file": str(plan.ds_path),
         "ds_config": plan.ds_config,
         "engine": engine_facts(engine),

@@ -1,0 +1,405 @@
+"""Checkpoints across ZeRO stages, world sizes, precisions and offload (docs/design.md,
+"Switching ZeRO stage or world size").
+
+A DeepSpeed checkpoint is laid out for the run that wrote it: ZeRO 1-2 save each rank's slice of
+every flat parameter group, ZeRO-3 each rank's slice of every parameter, ZeRO-0 the whole module
+with the optimizer's state per parameter. DeepSpeed loads one only into the same layout
+("checkpoint used a DP world size of X but current is Y"). This module reads any of them (from
+the files, no process group) into the *universal* form: every parameter whole, by name, as its
+fp32 master weight and both Adam moments, plus the optimizer step and the LR schedule; and loads
+that form into an engine of any stage, world size, precision or offload setting through
+DeepSpeed's own fragment API (`safe_set_full_fp32_param`, `safe_set_full_optimizer_state`).
+
+Layout of a universal checkpoint (`checkpoints/global_stepN.universal/`, written once next to the
+tag it came from and reused, or wherever `python -m app convert --out` puts it):
+
+    universal.json    format, the source's layout, step, the parameters' names and shapes
+    train_state.json  the source's train state (resume checks read it as they read a tag's)
+    state.pt          {"fp32" | "exp_avg" | "exp_avg_sq": {name: tensor}} (memory-mapped on load)
+    scheduler.pt      the LR scheduler's state dict
+    rng_rank{R}.pt    the source's RNG files (hard links)
+
+The source tag is never modified.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data_tools import output
+from data_tools.errors import UserError
+
+FORMAT = 1
+MARK = "universal.json"
+SUFFIX = ".universal"
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+STATE_FILE = "state.pt"
+SCHEDULER_FILE = "scheduler.pt"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run lays out its model and optimizer state: what a DeepSpeed checkpoint is tied to."""
+
+    zero_stage: int
+    world_size: int
+    precision: str
+    offload: bool
+
+    def __str__(self) -> str:
+        return (f"ZeRO-{self.zero_stage}, {self.world_size} rank{'s' * (self.world_size > 1)}, "
+                f"{self.precision}{', optimizer offload' if self.offload else ''}")
+
+    def loads_natively(self, other: Layout) -> bool:
+        """DeepSpeed's own load works: the same partitioning (ZeRO-0 holds whole tensors, so
+        its world size does not matter) and the same optimizer wrapper."""
+        return (self.zero_stage == other.zero_stage and self.precision == other.precision
+                and self.offload == other.offload
+                and (self.zero_stage == 0 or self.world_size == other.world_size))
+
+
+def layout_of(ds_config: dict[str, Any], world_size: int) -> Layout:
+    zero = ds_config.get("zero_optimization") or {}
+    precision = ("bf16" if (ds_config.get("bf16") or {}).get("enabled")
+                 else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32")
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    return Layout(int(zero.get("stage", 0)), int(world_size), precision, bool(offload))
+
+
+def saved_layout(state: dict[str, Any]) -> Layout:
+    """The layout a checkpoint was written in, from its train state."""
+    return layout_of(state.get("ds_config") or {}, state["world_size"])
+
+
+def is_universal(tag_dir: Path) -> bool:
+    return (tag_dir / MARK).is_file()
+
+
+def path_for(ckpt_dir: Path, tag: str) -> Path:
+    """Where the universal form of ckpt_dir/tag lives when written next to it."""
+    return ckpt_dir / f"{tag}{SUFFIX}"
+
+
+# -- reading DeepSpeed's checkpoints -----------------------------------------------------------
+
+@dataclass
+class Whole:
+    """A checkpoint's trainable state with every parameter whole, by name."""
+
+    tensors: dict[str, dict[str, torch.Tensor]]
+    """kind ("fp32", "exp_avg", "exp_avg_sq") -> name -> tensor (fp32, the parameter's shape)."""
+    step: int
+    """Optimizer steps taken (Adam's bias correction)."""
+    scheduler: dict[str, Any]
+
+
+def read(tag_dir: Path, state: dict[str, Any]) -> Whole:
+    """The whole state of one checkpoint tag of any ZeRO stage, world size and precision."""
+    layout = saved_layout(state)
+    try:
+        if layout.zero_stage == 0:
+            return _read_zero0(tag_dir, state)
+        bf16_optimizer = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+        if bf16_optimizer:
+            return _read_flat_partitions(tag_dir, bf16_optimizer)
+        parts = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+        parts.sort(key=lambda f: int(f.name.split("_")[3]))
+        if not parts:
+            raise UserError(f"{tag_dir}: no *_optim_states.pt: an incomplete ZeRO checkpoint")
+        if layout.zero_stage == 3:
+            return _read_zero3(tag_dir, parts)
+        return _read_flat_partitions(tag_dir, parts)
+    except (RuntimeError, EOFError, OSError, KeyError, IndexError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{tag_dir}: cannot read the checkpoint for conversion "
+                        f"({type(e).__name__}: {first[:200]})") from None
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _step_of(optimizer_state: dict[str, Any]) -> int:
+    """The step count from a torch optimizer state dict: per parameter (torch's Adam(W),
+    DeepSpeed's CPU Adam) or per group (DeepSpeed's fused Adam)."""
+    for entry in optimizer_state.get("state", {}).values():
+        if "step" in entry:
+            return int(entry["step"])
+    for group in optimizer_state.get("param_groups", []):
+        if "step" in group:
+            return int(group["step"])
+    return 0
+
+
+def _split(flat: torch.Tensor, shapes: dict[str, torch.Size], into: dict[str, torch.Tensor]
+           ) -> None:
+    """Parameters laid back to back in a flat group (then alignment padding)."""
+    offset = 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        into[name] = flat[offset:offset + n].view(shape).float().clone()
+        offset += n
+    if offset > flat.numel():
+        raise ValueError(f"flat group of {flat.numel()} elements holds {offset}")
+
+
+def _read_zero0(tag_dir: Path, state: dict[str, Any]) -> Whole:
+    """ZeRO-0: the whole module, and the optimizer's state per parameter (fp32), or over flat
+    fp32 master groups (bf16/fp16: DeepSpeed's FP16_Optimizer; names in the train state)."""
+    saved = _load(sorted(tag_dir.glob("mp_rank_*_model_states.pt"))[0])
+    opt = saved.get("optimizer") or {}
+    tensors: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KINDS}
+    if "fp32_groups_flat" in opt:
+        groups = state.get("flat_master_groups")
+        if not groups:
+            raise UserError(f"{tag_dir}: a ZeRO-0 {saved_layout(state).precision} checkpoint "
+                            f"without its master groups' names (written before they were "
+                            f"recorded): cannot convert it")
+        inner = opt["optimizer_state_dict"]
+        module = saved["module"]
+        for g, names in enumerate(groups):
+            shapes = {n: module[n].shape for n in names}
+            _split(opt["fp32_groups_flat"][g], shapes, tensors["fp32"])
+            moments = inner["state"][g]
+            for kind in ("exp_avg", "exp_avg_sq"):
+                _split(moments[kind], shapes, tensors[kind])
+        return Whole(tensors, _step_of(inner), saved["lr_scheduler"])
+    names = [n for group in param_names(state["model_config"]) for n in group]
+    index = [i for group in opt["param_groups"] for i in group["params"]]
+    if len(index) != len(names):
+        raise UserError(f"{tag_dir}: the optimizer holds {len(index)} parameters, the model "
+                        f"{len(names)}: not this model's checkpoint")
+    module = saved["module"]
+    for name, i in zip(names, index):
+        tensors["fp32"][name] = module[name].float().clone()
+        entry = opt["state"].get(i, {})
+        for kind in ("exp_avg", "exp_avg_sq"):
+            tensors[kind][name] = (entry[kind].float().clone() if kind in entry
+                                   else torch.zeros_like(tensors["fp32"][name]))
+    return Whole(tensors, _step_of(opt), saved["lr_scheduler"])
+
+
+def _read_flat_partitions(tag_dir: Path, parts: list[Path]) -> Whole:
+    """ZeRO 1-2 (and DeepSpeed's BF16_Optimizer): rank r holds the r-th slice of each flat
+    fp32 group and of its moments; the slices in rank order are the group."""
+    model = _load(sorted(tag_dir.glob("mp_rank_*_model_states.pt"))[0])
+    states = [_load(f)["optimizer_state_dict"] for f in parts]
+    tensors: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KINDS}
+    for g, shapes in enumerate(model["param_shapes"]):
+        _split(torch.cat([s["single_partition_of_fp32_groups"][g] for s in states]), shapes,
+               tensors["fp32"])
+        for kind in ("exp_avg", "exp_avg_sq"):
+            _split(torch.cat([s["base_optimizer_state"]["state"][g][kind] for s in states]),
+                   shapes, tensors[kind])
+    return Whole(tensors, _step_of(states[0]["base_optimizer_state"]), model["lr_scheduler"])
+
+
+def _read_zero3(tag_dir: Path, parts: list[Path]) -> Whole:
+    """ZeRO-3: every parameter is split on its own into `world` slices of ceil(n / world)
+    elements (the last padded); rank r's flat group is its slice of each parameter in turn."""
+    world = len(parts)
+    model = _load(tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    states = [_load(f)["optimizer_state_dict"] for f in parts]
+    tensors: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KINDS}
+    for g, shapes in enumerate(model["param_shapes"]):
+        flats = {"fp32": [s["fp32_flat_groups"][g] for s in states],
+                 **{kind: [s["optimizer_state_dict"]["state"][g][kind] for s in states]
+                    for kind in ("exp_avg", "exp_avg_sq")}}
+        offset = 0
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            part = math.ceil(n / world)
+            for kind, ranks in flats.items():
+                whole = torch.cat([r[offset:offset + part] for r in ranks])[:n]
+                tensors[kind][name] = whole.view(shape).float().clone()
+            offset += part
+    inner = states[0]["optimizer_state_dict"]
+    return Whole(tensors, _step_of(inner), model["lr_scheduler"])
+
+
+def param_names(model_config: dict[str, Any]) -> list[list[str]]:
+    """The trained parameters' names in the optimizer's groups, in order (as app.train builds
+    them), from a skeleton of the model on the meta device (no memory, no init)."""
+    from app.model import build_model, config_from_dict, optimizer_groups
+
+    with torch.device("meta"):
+        model = build_model(config_from_dict(model_config), for_training=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer_groups(model, 0.0)]
+
+
+# -- the universal form on disk ----------------------------------------------------------------
+
+def write(source: Path, state: dict[str, Any], out: Path, *, command: str,
+          target: Layout | None = None) -> Path:
+    """Convert the checkpoint tag `source` (train state `state`) into the universal form at
+    `out`, whole or not at all (a temporary sibling renamed into place)."""
+    whole = read(source, state)
+    info = {"format": FORMAT, "source": str(source), "source_layout": asdict(saved_layout(state)),
+            "target_layout": asdict(target) if target else None, "step": whole.step,
+            "parameters": {n: list(t.shape) for n, t in whole.tensors["fp32"].items()}}
+    needed = sum(t.numel() * 4 for kind in whole.tensors.values() for t in kind.values())
+    free = output.free_bytes(out.parent if out.parent.exists() else source.parent)
+    if free is not None and needed > free:
+        raise UserError(output.disk_full_message(out, needed))
+    with output.new_dir(out, "universal checkpoint", command) as tmp:
+        torch.save(whole.tensors, tmp / STATE_FILE)
+        torch.save(whole.scheduler, tmp / SCHEDULER_FILE)
+        output.write_json_atomic(tmp / "train_state.json", state, fsync=False)
+        for rng in sorted(source.glob("rng_rank*.pt")):
+            try:
+                os.link(rng, tmp / rng.name)
+            except OSError:
+                shutil.copy2(rng, tmp / rng.name)
+        output.write_json_atomic(tmp / MARK, info)
+    return out
+
+
+def ensure(ckpt_dir: Path, tag: str, state: dict[str, Any], target: Layout) -> Path:
+    """The universal form of ckpt_dir/tag, next to it: written on first need, then reused."""
+    out = path_for(ckpt_dir, tag)
+    if is_universal(out):
+        return out
+    print(f"resume: converting {ckpt_dir / tag} ({saved_layout(state)}) to {out}, once",
+          file=sys.stderr, flush=True)
+    return write(ckpt_dir / tag, state, out, command="train --resume", target=target)
+
+
+def read_info(tag_dir: Path) -> dict[str, Any]:
+    try:
+        info = json.loads((tag_dir / MARK).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{tag_dir / MARK}: unreadable ({e})") from None
+    if info.get("format") != FORMAT:
+        raise UserError(f"{tag_dir / MARK}: format {info.get('format')!r}, this version reads "
+                        f"{FORMAT}")
+    return info
+
+
+# -- loading into an engine --------------------------------------------------------------------
+
+def load(engine, tag_dir: Path) -> dict[str, Any]:
+    """Put a universal checkpoint's weights, moments, step and LR schedule into `engine`, of
+    whatever stage, world size, precision and offload; return the train state."""
+    read_info(tag_dir)
+    try:
+        tensors = torch.load(tag_dir / STATE_FILE, map_location="cpu", mmap=True,
+                             weights_only=True)
+        scheduler = torch.load(tag_dir / SCHEDULER_FILE, map_location="cpu", weights_only=False)
+        state = json.loads((tag_dir / "train_state.json").read_text())
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{tag_dir}: cannot read the converted checkpoint ({first[:200]})"
+                        ) from None
+    step = int(json.loads((tag_dir / MARK).read_text())["step"])
+    _ensure_states(engine)
+    params = dict(engine.module.named_parameters())
+    missing = sorted(set(params) - set(tensors["fp32"]))
+    if missing:
+        raise UserError(f"{tag_dir}: no saved values for parameter {missing[0]} "
+                        f"({len(missing)} missing): another model's checkpoint")
+    for name, param in params.items():
+        _load_param(engine, name, param, {kind: tensors[kind][name] for kind in KINDS},
+                    where=tag_dir)
+    _set_step(_base_optimizer(engine), step)
+    engine.lr_scheduler.load_state_dict(scheduler)
+    for group, lr in zip(_base_optimizer(engine).param_groups, scheduler["_last_lr"]):
+        group["lr"] = lr
+    engine.global_steps = step
+    engine.global_samples = step * engine.train_batch_size()
+    return state
+
+
+def _base_optimizer(engine) -> torch.optim.Optimizer:
+    """The optimizer that holds the Adam state: inside DeepSpeed's ZeRO/mixed-precision wrapper,
+    or the engine's own at ZeRO-0 in fp32."""
+    opt = engine.optimizer
+    return getattr(opt, "optimizer", opt)
+
+
+def _load_param(engine, name: str, param: torch.nn.Parameter,
+                values: dict[str, torch.Tensor], *, where: Path) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    numel = getattr(param, "ds_numel", param.numel())
+    if values["fp32"].numel() != numel:
+        raise UserError(f"{where}: parameter {name} has {values['fp32'].numel()} elements "
+                        f"saved and {numel} in this model")
+    if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):  # ZeRO 1-3, BF16_Optimizer
+        device = param.ds_tensor.device if hasattr(param, "ds_id") else param.device
+        v = {k: t.to(device, torch.float32) for k, t in values.items()}
+        safe_set_full_fp32_param(param, v["fp32"])
+        for kind in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(param, v[kind], kind)
+        _set_low_precision(engine, param, v["fp32"])
+        return
+    if getattr(engine.optimizer, "fp32_groups_flat", None) is not None or \
+            getattr(engine.optimizer, "fp32_groups", None) is not None:
+        raise UserError(f"{where}: converting into ZeRO-0 with bf16/fp16 is not supported; "
+                        f"resume with --zero 1 (the same communication, fp32 masters sharded)")
+    # ZeRO-0 in fp32: the parameter is the master; the optimizer's state is keyed by it
+    with torch.no_grad():
+        param.copy_(values["fp32"].view_as(param))
+    state = _base_optimizer(engine).state[param]
+    for kind in ("exp_avg", "exp_avg_sq"):
+        state[kind] = values[kind].to(param.device, torch.float32).view_as(param).clone()
+
+
+def _set_low_precision(engine, param: torch.nn.Parameter, fp32: torch.Tensor) -> None:
+    """The weights the forward pass uses, from the fp32 master: this rank's ZeRO-3 partition
+    (and the full tensor where ZeRO-3 keeps a small parameter gathered), or the whole module
+    parameter at ZeRO 1-2."""
+    with torch.no_grad():
+        if not hasattr(param, "ds_id"):
+            param.copy_(fp32.view_as(param))
+            return
+        part = param.ds_tensor
+        n = part.numel()
+        rank = engine.optimizer._get_param_partition_rank(param) \
+            if hasattr(engine.optimizer, "_get_param_partition_rank") else engine.global_rank
+        flat = fp32.flatten()
+        start = n * rank
+        piece = flat[start:start + n]
+        part.view(-1)[:piece.numel()].copy_(piece)
+        if param.numel() == param.ds_numel:  # gathered and kept (a persistent small parameter)
+            param.copy_(fp32.view(param.ds_shape))
+
+
+def _ensure_states(engine) -> None:
+    """Adam's moments exist for every tensor the optimizer steps: its groups' parameters, or
+    the flat fp32 partitions ZeRO hands it (ZeRO-3 only at step time). Optimizers create them at
+    their first step; DeepSpeed's fragment API writes into them."""
+    optimizer = _base_optimizer(engine)
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        tensors += list(getattr(engine.optimizer, name, None) or [])
+    for p in {id(t): t for t in tensors}.values():
+        entry = optimizer.state[p]
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if kind not in entry:
+                entry[kind] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _set_step(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Adam's step count wherever this optimizer keeps it: per parameter as a tensor (torch),
+    per parameter as an int (DeepSpeed's CPU Adam) or per group (DeepSpeed's fused Adam)."""
+    torch_style = type(optimizer).__module__.startswith("torch.")
+    for group in optimizer.param_groups:
+        if "step" in group or not torch_style:
+            group["step"] = step
+    for entry in optimizer.state.values():
+        old = entry.get("step")
+        if isinstance(old, torch.Tensor):
+            entry["step"] = torch.full_like(old, float(step))
+        elif old is not None or not torch_style:
+            entry["step"] = step
+        else:
+            entry["step"] = torch.tensor(float(step))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from app import checkpoint, reference, rundir
+from app import checkpoint, reference, rundir, universal
 from app.model import build_model, config_from_dict
 from data_tools import output
 from data_tools.errors import UserError
@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     checkpoint.check_files(ckpt_dir / tag)
     model_cfg = rebuild_config(run_config, run_dir)
     model = build_model(model_cfg)
-    state_dict = checkpoint.consolidated_state_dict(ckpt_dir, tag, int(run_config["zero_stage"]))
+    # the tag's own stage: a run that switched stage keeps checkpoints of each (app/universal.py)
+    stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
+    state_dict = checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
     load_weights(model, state_dict, where=ckpt_dir / tag)
     vocab = int(run_config["data"].get("vocab_size") or model.config.vocab_size)
     if model.config.vocab_size > vocab:  # the tokenizer's size: drop the tensor-core padding

@@ -381,11 +381,17 @@ def _ensure_states(engine) -> None:
     tensors = [p for group in optimizer.param_groups for p in group["params"]]
     for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
         tensors += list(getattr(engine.optimizer, name, None) or [])
+    created = False
     for p in {id(t): t for t in tensors}.values():
         entry = optimizer.state[p]
         for kind in ("exp_avg", "exp_avg_sq"):
             if kind not in entry:
                 entry[kind] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                created = True
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if created and link is not None:  # ZeRO 1-2, BF16_Optimizer: fragments map the moments
+        engine.optimizer._hp_optimizer_states_linked = False
+        link()
 
 
 def _set_step(optimizer: torch.optim.Optimizer, step: int) -> None:

@@ -259,9 +259,9 @@ def _partitioned(zero3_config: Mapping[str, Any] | None) -> Iterator[None]:
     PreTrainedModel's constructor, after its submodules are already partitioned (empty on every
     rank). For the duration of the build `init_weights` is replaced by one that visits the
     modules in transformers' own order and runs the model's own `_initialize_weights` on each
-    with that module's parameters gathered (`GatheredParameters`, rank 0's result kept). The
-    random draws happen in the same order as in an unpartitioned build, so the weights are the
-    same, bit for bit (tests/test_zero_switch.py).
+    with that module's parameters whole on every rank (`_materialized`), each rank keeping its
+    slice. The random draws happen in the same order as in an unpartitioned build, so the
+    weights are the same, bit for bit (tests/test_zero_switch.py).
     """
     if zero3_config is None:
         yield
@@ -269,7 +269,7 @@ def _partitioned(zero3_config: Mapping[str, Any] | None) -> Iterator[None]:
     import deepspeed
 
     original = PreTrainedModel.init_weights
-    PreTrainedModel.init_weights = _gathered_init_weights
+    PreTrainedModel.init_weights = _partitioned_init_weights
     try:
         with deepspeed.zero.Init(config_dict_or_path=dict(zero3_config)):
             yield
@@ -277,9 +277,38 @@ def _partitioned(zero3_config: Mapping[str, Any] | None) -> Iterator[None]:
         PreTrainedModel.init_weights = original
 
 
-def _gathered_init_weights(self: PreTrainedModel) -> None:
+@contextlib.contextmanager
+def _materialized(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Give each partitioned parameter a whole tensor on this rank (NaN-filled, fp32, as an
+    unpartitioned build initialises) for an init function to write, then keep this rank's slice
+    of what it wrote. Every rank makes the same draws in the same order, so there is nothing to
+    communicate, and one module's parameters at a time are whole. A tensor the init left alone
+    (a tied weight initialised already) is not copied back."""
+    import torch.distributed as dist
+
+    params = list({id(p): p for p in params}.values())
+    empties = [p.data for p in params]
+    for p in params:
+        p.data = torch.full(p.ds_shape, float("nan"), dtype=torch.float32,
+                            device=p.ds_tensor.device)
+    try:
+        yield
+    finally:
+        for p, empty in zip(params, empties):
+            whole, p.data = p.data, empty
+            untouched = torch.isnan(whole)
+            if untouched.all():
+                continue
+            if untouched.any():
+                raise RuntimeError(f"weight init left part of a {tuple(p.ds_shape)} parameter "
+                                   f"unwritten")
+            n = p.ds_tensor.numel()
+            piece = whole.view(-1)[dist.get_rank(group=p.ds_process_group) * n:][:n]
+            p.ds_tensor.view(-1)[:piece.numel()].copy_(piece)
+
+
+def _partitioned_init_weights(self: PreTrainedModel) -> None:
     """`PreTrainedModel.init_weights` for partitioned parameters (see `_partitioned`)."""
-    import deepspeed
     from transformers import initialization
 
     custom = self.is_custom_code() if hasattr(self, "is_custom_code") else False
@@ -297,8 +326,7 @@ def _gathered_init_weights(self: PreTrainedModel) -> None:
         for child in module.children():
             if not isinstance(child, PreTrainedModel):
                 params.extend(child.parameters(recurse=False))
-        with deepspeed.zero.GatheredParameters([p for p in params if hasattr(p, "ds_id")],
-                                               modifier_rank=0):
+        with _materialized([p for p in params if hasattr(p, "ds_id")]):
             init_fn(module, custom) if two_args else init_fn(module)
 
     with torch.no_grad(), guard():

@@ -81,8 +81,9 @@ def launch(model: str, ranks: int, build: str) -> list[dict]:
                            "--no_local_rank", "--master_port", str(port), __file__,
                            "--rank-main", build, "--model", model],
                           env=env, capture_output=True, text=True)
-    rows = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-            if "RESULT " in line]
+    decoder, rows = json.JSONDecoder(), []
+    for piece in proc.stdout.split("RESULT ")[1:]:  # the ranks' lines may interleave
+        rows.append(decoder.raw_decode(piece)[0])
     if proc.returncode or len(rows) != ranks:
         raise SystemExit(f"{build} build failed:\n{proc.stderr[-3000:]}")
     return sorted(rows, key=lambda r: r["rank"])

@@ -331,7 +331,9 @@ def plan_memory(shape: ModelShape, size: ModelSize, setup: ZeroSetup, work: Work
     states = model_state_bytes(p, setup.stage, work.world, work.precision, setup.offload,
                                work.moments)
     if device.host_is_device and setup.stage == 3 and not setup.offload:
-        # built in fp32 before deepspeed.initialize partitions it, in the same memory
+        # measured, not derived: ZeRO-3's steps on a CPU host peak about 4P (fp32) above the
+        # terms here (tests/test_plan.py); not the build, which is partitioned (zero.Init) and
+        # peaks below the first step (docs/plan.md)
         states["parameters"] += 4 * p
     if setup.offload:
         buffers = zero3_working_set(min(p, max(setup.max_live_parameters, size.largest_layer)),

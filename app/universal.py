@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass
@@ -107,11 +108,10 @@ def read(tag_dir: Path, state: dict[str, Any]) -> Whole:
     try:
         if layout.zero_stage == 0:
             return _read_zero0(tag_dir, state)
-        bf16_optimizer = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+        bf16_optimizer = _by_rank(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"))
         if bf16_optimizer:
             return _read_flat_partitions(tag_dir, bf16_optimizer)
-        parts = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-        parts.sort(key=lambda f: int(f.name.split("_")[3]))
+        parts = _by_rank(tag_dir.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
         if not parts:
             raise UserError(f"{tag_dir}: no *_optim_states.pt: an incomplete ZeRO checkpoint")
         if layout.zero_stage == 3:
@@ -121,6 +121,11 @@ def read(tag_dir: Path, state: dict[str, Any]) -> Whole:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{tag_dir}: cannot read the checkpoint for conversion "
                         f"({type(e).__name__}: {first[:200]})") from None
+
+
+def _by_rank(files) -> list[Path]:
+    """Partition files in rank order (rank 10 after rank 9, not after rank 1)."""
+    return sorted(files, key=lambda f: int(re.search(r"pp_rank_(\d+)_", f.name).group(1)))
 
 
 def _load(path: Path) -> Any:

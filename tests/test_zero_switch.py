@@ -133,6 +133,26 @@ def test_convert_offline_then_resume_from_it_and_fresh_moments_differ(refs, mlm_
     assert "--overwrite" in again.stderr
 
 
+def test_precision_and_stage_switched_twice(refs, mlm_dataset, tmp_path):
+    """fp32 ZeRO-2 on 2 ranks -> bf16 ZeRO-1 on 1 rank (DeepSpeed's BF16_Optimizer, written and
+    read) -> fp32 ZeRO-3 on 2 ranks: each resume continues the run (bf16 within its rounding),
+    and the checkpoints carry all three layouts."""
+    ref = refs(2, 2)
+    mid = tmp_path / "bf16"
+    train(mlm_dataset, mid, 1, 1, "--precision", "bf16", "--resume", tag_dir(ref))
+    assert any(mid.glob("checkpoints/global_step8/bf16_zero_pp_rank_0_*optim_states.pt"))
+    assert max_rel_diff(train_losses(ref), train_losses(mid)) <= 2e-3
+    end = tmp_path / "back"
+    train(mlm_dataset, end, 3, 2, "--max-steps", "10",
+          "--resume", mid / "checkpoints" / f"global_step{STEPS}")
+    losses = train_losses(end)
+    assert sorted(losses) == [9, 10] and all(abs(x - losses[9]) < 1.0 for x in losses.values())
+    state = json.loads((end / "checkpoints" / "global_step10" / "train_state.json").read_text())
+    assert [(h["step"], h["zero_stage"], h["world_size"], h["precision"])
+            for h in state["history"]] == [(0, 2, 2, "fp32"), (SAVE, 1, 1, "bf16"),
+                                           (STEPS, 3, 2, "fp32")]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--to-zero", "3", "--to-world", "0"], "--to-world 0"),
     (["--to-zero", "5", "--to-world", "1"], "--to-zero"),

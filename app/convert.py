@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     saved = universal.saved_layout(state)
     target = universal.Layout(args.to_zero, args.to_world, args.to_precision or saved.precision,
                               saved.offload if args.to_zero > 0 else False)
+    why_not = universal.convertible_into(target)
+    if why_not:
+        raise UserError(f"--to-zero {args.to_zero}: {why_not}")
     gbs = int(state["global_batch"])
     if gbs % args.to_world:
         print(f"note: the global batch of {gbs} samples does not divide over {args.to_world} "

@@ -34,7 +34,7 @@ from app.model import (build_config, build_model, count_parameters, max_position
                        optimizer_groups, parse_overrides, preset)
 from app.schedule import schedule_fn
 from app.train_state import TrainState
-from app.universal import Layout, is_universal, layout_of, saved_layout
+from app.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
 from app.order import skip_ahead
 from app.preemption import StopRequests
 from app.sources import Source, Sources, read_sources
@@ -256,6 +256,9 @@ def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: Wo
     history = tuple(state.get("history") or ({"step": 0, **asdict(saved)},))
     tag_dir = resume[0] / resume[1]
     convert = not is_universal(tag_dir) and not saved.loads_natively(now)
+    why_not = convertible_into(now) if convert or is_universal(tag_dir) else None
+    if why_not:
+        raise UserError(f"{tag_dir}: written with {saved}; {why_not}")
     if saved != now:
         history += ({**entry, "step": int(state["step"])},)
     if world.is_main and saved != now:

@@ -67,6 +67,16 @@ class Layout:
                 and (self.zero_stage == 0 or self.world_size == other.world_size))
 
 
+def convertible_into(layout: Layout) -> str | None:
+    """Why a checkpoint cannot be converted into `layout` (None: it can). ZeRO-0 in bf16/fp16
+    keeps its fp32 masters in DeepSpeed's FP16_Optimizer flat groups, which the fragment API
+    does not reach."""
+    if layout.zero_stage == 0 and layout.precision != "fp32":
+        return (f"converting into ZeRO-0 with {layout.precision} is not supported; resume with "
+                f"--zero 1 (the same communication volume, the fp32 masters sharded)")
+    return None
+
+
 def layout_of(ds_config: dict[str, Any], world_size: int) -> Layout:
     zero = ds_config.get("zero_optimization") or {}
     precision = ("bf16" if (ds_config.get("bf16") or {}).get("enabled")
@@ -294,7 +304,7 @@ def read_info(tag_dir: Path) -> dict[str, Any]:
 def load(engine, tag_dir: Path) -> dict[str, Any]:
     """Put a universal checkpoint's weights, moments, step and LR schedule into `engine`, of
     whatever stage, world size, precision and offload; return the train state."""
-    read_info(tag_dir)
+    info = read_info(tag_dir)
     try:
         tensors = torch.load(tag_dir / STATE_FILE, map_location="cpu", mmap=True,
                              weights_only=True)
@@ -304,7 +314,7 @@ def load(engine, tag_dir: Path) -> dict[str, Any]:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{tag_dir}: cannot read the converted checkpoint ({first[:200]})"
                         ) from None
-    step = int(json.loads((tag_dir / MARK).read_text())["step"])
+    step = int(info["step"])
     _ensure_states(engine)
     params = dict(engine.module.named_parameters())
     missing = sorted(set(params) - set(tensors["fp32"]))
@@ -346,11 +356,8 @@ def _load_param(engine, name: str, param: torch.nn.Parameter,
             safe_set_full_optimizer_state(param, v[kind], kind)
         _set_low_precision(engine, param, v["fp32"])
         return
-    if getattr(engine.optimizer, "fp32_groups_flat", None) is not None or \
-            getattr(engine.optimizer, "fp32_groups", None) is not None:
-        raise UserError(f"{where}: converting into ZeRO-0 with bf16/fp16 is not supported; "
-                        f"resume with --zero 1 (the same communication, fp32 masters sharded)")
-    # ZeRO-0 in fp32: the parameter is the master; the optimizer's state is keyed by it
+    # ZeRO-0 in fp32 (bf16/fp16 is refused before the run, `convertible_into`): the parameter
+    # is the master, and the optimizer's state is keyed by it
     with torch.no_grad():
         param.copy_(values["fp32"].view_as(param))
     state = _base_optimizer(engine).state[param]

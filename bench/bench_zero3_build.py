@@ -111,9 +111,10 @@ def main() -> int:
     def worst(build: str, key: str) -> float:
         return max(r[key] for r in rows[build])
 
-    print(f"ZeRO-3 / unpartitioned, the largest rank: peak build memory "
-          f"{worst('zero3', 'peak_rise_gb') / worst('plain', 'peak_rise_gb'):.2f}x, "
-          f"parameters held {worst('zero3', 'params_held_gb') / worst('plain', 'params_held_gb'):.2f}x")
+    peak = worst("zero3", "peak_rise_gb") / worst("plain", "peak_rise_gb")
+    held = worst("zero3", "params_held_gb") / worst("plain", "params_held_gb")
+    print(f"ZeRO-3 / unpartitioned, the largest rank: peak build memory {peak:.2f}x, "
+          f"parameters held {held:.2f}x")
     return 0
 
 

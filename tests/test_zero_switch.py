@@ -99,8 +99,8 @@ def test_resume_under_another_stage_and_world_continues_the_run(refs, mlm_datase
     assert (src.parent / f"{src.name}.universal" / "universal.json").is_file()
 
 
-def test_convert_offline_then_resume_from_it_and_fresh_moments_differ(refs, mlm_dataset,
-                                                                       tmp_path):
+def test_convert_offline_then_resume_from_it_and_fresh_moments_differ(
+        refs, mlm_dataset, tmp_path):
     """ZeRO-2 on 2 ranks -> ZeRO-1 on 1 rank through `app convert --out`; the same conversion
     with its Adam moments zeroed trains measurably differently."""
     ref = refs(2, 2)
@@ -164,6 +164,20 @@ def test_convert_bad_arguments_are_one_line(refs, tmp_path, argv, needle):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_switch_that_cannot_be_honoured_is_one_line_before_the_run(refs, mlm_dataset,
+                                                                      tmp_path):
+    out = tmp_path / "refused"
+    proc = run_app("train", "--data", mlm_dataset, "--out", out, *BASE, "--zero", "0",
+                   "--precision", "bf16", "--resume", tag_dir(refs(3, 1)))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in error_lines(proc.stderr) if not x.startswith("warning:")]
+    assert len(lines) == 1 and "ZeRO-0 with bf16" in lines[0], proc.stderr[-2000:]
+    assert not (out / "checkpoints").exists()
+    proc = run_app("train", "--data", mlm_dataset, "--out", out, *BASE, "--zero", "3",
+                   "--model-arg", "hidden_size=256", "--resume", tag_dir(refs(3, 1)))
+    assert proc.returncode == 2 and "hidden_size" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_convert_a_missing_checkpoint_is_one_line(tmp_path):
     proc = run_app("convert", tmp_path / "nothing", "--to-zero", "3", "--to-world", "2")
     assert proc.returncode == 2 and len(error_lines(proc.stderr)) == 1, proc.stderr
@@ -182,7 +196,8 @@ from app.model import build_config, build_model
 for name in ("bert-tiny", "gpt-tiny"):
     cfg = build_config(name, vocab_size=1000, special_ids={{"pad_token_id": 0}}, overrides={{}},
                        dropout=0.0, attn_implementation="eager")
-    ref = {{k: v.clone() for k, v in build_model(cfg, seed=3, for_training=True).state_dict().items()}}
+    plain = build_model(cfg, seed=3, for_training=True)
+    ref = {{k: v.clone() for k, v in plain.state_dict().items()}}
     ds = {{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3}}}}
     m = build_model(cfg, seed=3, for_training=True, zero3_config=ds)
     assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in m.parameters()), name

@@ -440,6 +440,41 @@ def grad_norm_before_step(engine) -> torch.Tensor | None:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
+def model_state_bytes(engine) -> int:
+    """Bytes of model state this rank holds: parameters (at ZeRO-3 its partitions and the
+    persistent ones), gradients and optimizer states, counted once per tensor storage.
+
+    Walks the module's parameters and the optimizer chain (DeepSpeed's ZeRO wrapper, then the
+    torch optimizer inside it: flat buffers, partitions, `state`). Call between the boundary
+    micro step's backward and `engine.step()`, where gradients exist (the step frees them);
+    it reads tensor sizes only, no device sync. The ZeRO paper's model states, measured.
+    """
+    seen: dict[tuple[int, int], int] = {}
+
+    def add(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "meta":
+                return
+            storage = obj.untyped_storage()
+            if storage.data_ptr():
+                seen[(storage.data_ptr(), obj.device.index or 0)] = storage.nbytes()
+        elif depth > 0 and isinstance(obj, (list, tuple)):
+            for item in obj:
+                add(item, depth - 1)
+        elif depth > 0 and isinstance(obj, dict):
+            for item in obj.values():
+                add(item, depth - 1)
+
+    for p in engine.module.parameters():
+        for t in (p, p.grad, getattr(p, "ds_tensor", None)):
+            add(t, 0)
+    optimizer, hops = engine.optimizer, 0
+    while optimizer is not None and hops < 4:  # ZeRO wrapper -> torch optimizer
+        add(vars(optimizer), 4)
+        optimizer, hops = getattr(optimizer, "optimizer", None), hops + 1
+    return sum(seen.values())
+
+
 def reported_grad_norm(engine) -> float | None:
     norm = engine.get_global_grad_norm()
     return None if norm is None else float(norm)

@@ -4,11 +4,11 @@ row per rank at the log interval (the only cross-rank traffic of telemetry) and 
 
 Per rank, a window holds: its wall time, its time waiting for data, its forward time (device
 time, from accelerator events), its memory, and the model state it holds (parameters,
-gradients, optimizer states; measured at the window's last step). In synchronous data parallelism every rank's
-wall time is about the same (they wait for each other in the gradient reduction); what tells a
-straggler apart is where its time went: a starved loader shows as data wait, a slow device as a
-longer forward. `perf/slowest_rank` is the rank with the most of both: the one the others wait
-for.
+gradients, optimizer states; measured at the window's last step). In synchronous data
+parallelism every rank's wall time is about the same (they wait for each other in the gradient
+reduction); what tells a straggler apart is where its time went: a starved loader shows as data
+wait, a slow device as a longer forward. `perf/slowest_rank` is the rank with the most of both:
+the one the others wait for.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m app COMMAND`: train | export | report | demo | plan | tune."""
+"""`python -m app COMMAND`: train | export | report | demo | plan | tune | bench."""
 from __future__ import annotations
 
 import sys
@@ -15,6 +15,8 @@ COMMANDS = {
              "the whole pipeline on Python's standard-library sources (the quickstart)"),
     "plan": ("app.plan", "memory, batch and throughput per ZeRO stage before a run"),
     "tune": ("app.tune", "measure the largest micro batch and the loader workers on this machine"),
+    "bench": ("app.bench", "the scaling sweep: tokens/s, step time, data wait, memory and "
+              "scaling efficiency against world size, ZeRO stage, model (results.csv, plots)"),
 }
 
 

@@ -26,10 +26,12 @@ import argparse
 import fcntl
 import os
 import platform
+import resource
 import shlex
 import shutil
 import statistics
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -210,6 +212,7 @@ def run_config(c: Config, args: argparse.Namespace, identity: dict[str, Any],
     env = {**os.environ, "OMP_NUM_THREADS": str(c.threads), "WANDB_MODE": "disabled",
            "TOKENIZERS_PARALLELISM": "false", "PYTHON": sys.executable,
            TAG: str(out.resolve())}
+    load = OtherLoad()
     try:
         result = run_probe(cmd, run_dir, budget_bytes=None, timeout=args.timeout,
                            watch_rss=False, env=env, poll=0.2)
@@ -220,7 +223,8 @@ def run_config(c: Config, args: argparse.Namespace, identity: dict[str, Any],
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # of no use, and large
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     record: dict[str, Any] = {"config": c.as_dict(), "seconds": round(result.seconds, 1),
-                              "run_dir": str(Path(RUNS) / c.id), "finished_at": now}
+                              "run_dir": str(Path(RUNS) / c.id), "finished_at": now,
+                              "other_load_cores": load.cores()}
     if not result.ok:
         status, _, error = result.reason.partition(": ")
         return {**record, "status": status, "error": error or result.reason}
@@ -229,6 +233,32 @@ def run_config(c: Config, args: argparse.Namespace, identity: dict[str, Any],
     except (ValueError, UserError) as e:
         return {**record, "status": "failed", "error": str(e)}
     return {**record, "status": "ok", "error": None, "figures": figures}
+
+
+class OtherLoad:
+    """How many of this host's cores other processes kept busy while a configuration ran: the
+    host's busy CPU time minus what the run's own processes used (they are reaped by then, so
+    their time is in this process's RUSAGE_CHILDREN), over the wall time. On a shared machine
+    it says which figures to trust: 2 ranks on 2 cores scale only when nothing else runs."""
+
+    def __init__(self):
+        from app.device import cpu_busy_seconds
+
+        self._busy = cpu_busy_seconds
+        self.start = (time.monotonic(), cpu_busy_seconds(), self._children())
+
+    @staticmethod
+    def _children() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    def cores(self) -> float | None:
+        t0, busy0, own0 = self.start
+        busy = self._busy()
+        wall = time.monotonic() - t0
+        if busy is None or busy0 is None or wall <= 0:
+            return None
+        return round(max(0.0, (busy - busy0) - (self._children() - own0)) / wall, 2)
 
 
 # -- the sweep -----------------------------------------------------------------------------------
@@ -271,6 +301,8 @@ def progress(n: int, total: int, c: Config, record: dict[str, Any], row: dict[st
         parts.append(f"peak {f['peak_mem_gb']:.2f} GiB/rank")
     if f.get("scaling_efficiency") is not None:
         parts.append(f"scaling efficiency {f['scaling_efficiency']:.2f}")
+    if record.get("other_load_cores"):
+        parts.append(f"other processes busy on {record['other_load_cores']:.1f} core(s)")
     return f"{head}, {', '.join(parts)}; {record['seconds']:.0f} s; {eta}"
 
 

@@ -22,13 +22,14 @@ COLUMNS = ("world_size", "nodes", "procs_per_node", "zero", "model", "micro_batc
            "workers", "threads", "status", "tokens_per_sec", "tokens_per_sec_per_device",
            "step_time_ms", "step_time_ms_min", "step_time_ms_max", "step_time_ms_slowest_rank",
            "data_wait_pct", "data_wait_pct_max", "mfu", "tflops_per_device", "peak_mem_gb",
-           "model_state_gb", "scaling_efficiency", "steps_measured", "seconds", "error",
-           "run_dir")
+           "model_state_gb", "scaling_efficiency", "steps_measured", "seconds",
+           "other_load_cores", "error", "run_dir")
 # how many decimals each figure keeps in the table files
 DECIMALS = {"tokens_per_sec": 1, "tokens_per_sec_per_device": 1, "step_time_ms": 2,
             "step_time_ms_min": 2, "step_time_ms_max": 2, "step_time_ms_slowest_rank": 2,
             "data_wait_pct": 3, "data_wait_pct_max": 3, "mfu": 5, "tflops_per_device": 5,
-            "peak_mem_gb": 4, "model_state_gb": 5, "scaling_efficiency": 4, "seconds": 1}
+            "peak_mem_gb": 4, "model_state_gb": 5, "scaling_efficiency": 4, "seconds": 1,
+            "other_load_cores": 2}
 PLOTS = ("throughput.png", "scaling_efficiency.png", "memory.png")
 
 
@@ -73,6 +74,7 @@ def rows(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         row = {"world_size": c.world, **{k: getattr(c, k) for k in KEYS if k != "world"},
                "nodes": c.nodes, "procs_per_node": c.procs_per_node, "status": res["status"],
                "error": res.get("error"), "seconds": res.get("seconds"),
+               "other_load_cores": res.get("other_load_cores"),
                "run_dir": res.get("run_dir"), **res.get("figures", {})}
         out.append((c, row))
     base: dict[tuple, dict[str, Any]] = {}
@@ -113,7 +115,8 @@ MD_COLUMNS = (("world_size", "world"), ("nodes", "nodes"), ("zero", "ZeRO"), ("m
               ("step_time_ms_max", "max"), ("data_wait_pct", "data wait %"),
               ("data_wait_pct_max", "slowest rank %"), ("mfu", "MFU"),
               ("peak_mem_gb", "peak GiB/rank"), ("model_state_gb", "model state GiB/rank"),
-              ("scaling_efficiency", "scaling eff."))
+              ("scaling_efficiency", "scaling eff."),
+              ("other_load_cores", "other load (cores)"))
 
 
 def markdown(table: list[dict[str, Any]], header: list[str]) -> str:

@@ -24,7 +24,7 @@ Options:
                          every node or --nodes N with --procs-per-node P
   --node-rank K          this node's rank, 0..N-1 (with --no-ssh)
   --master-addr ADDR     address of node 0 (default: the hostfile's first host)
-  --master-port P        rendezvous port (default 29500)
+  --master-port P        rendezvous port (default 29500; on one box, a free port)
   --launcher NAME        multi-node backend of deepspeed: pdsh (default), openmpi, mpich, impi,
                          mvapich, slurm
   --ssh-port P           port of the hosts' sshd (default: ssh's own, ~/.ssh/config)
@@ -398,6 +398,12 @@ if [ "$multi" = 1 ]; then
       check_hosts
     fi
   fi
+fi
+
+# One box: a free rendezvous port unless one was given (two jobs on a box both taking 29500 fail
+# with EADDRINUSE). Several nodes must agree on it, so they keep the default.
+if [ "$multi" = 0 ] && [ "$no_ssh" = 0 ] && [ -z "$master_port" ]; then
+  master_port=$("$py_exe" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 fi
 
 # -------------------------------------------------------------------------------- the command

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app.anomaly import Rules
+from app.sources import is_mixture_arg
 from data_tools.cli import config_flags, finite_float, flag
 from data_tools.errors import UserError
 
@@ -25,8 +26,9 @@ ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
 class TrainConfig:
     """`python -m app train` settings. Field names are the flags with '-' for '_'."""
 
-    data: Path
-    """Dataset directory (dataset.json + shards), as written by `data_tools prepare`."""
+    data: Path | list[str]
+    """Dataset directory (dataset.json + shards), as written by `data_tools prepare`; or a
+    weighted mixture: WEIGHT:DIR ... or one MIXTURE.json (app/sources.py)."""
     out: Path
     """Run directory: config.json, metrics.jsonl, summary.json, checkpoints/, wandb/."""
     model: str | None = None
@@ -115,7 +117,7 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate on the val split every N steps (0: only at the end)."""
     eval_samples: int = 256
-    """Val samples per evaluation (at most the split's)."""
+    """Val samples per evaluation (at most the split's; of each source, in a mixture)."""
     log_every: int = 10
     """Steps between log lines (host syncs and cross-rank reductions happen only then)."""
     num_workers: int | None = None
@@ -137,7 +139,12 @@ class TrainConfig:
     """The accelerator's dense peak TFLOP/s for MFU (default: from app/hardware.py's table)."""
 
     def __post_init__(self) -> None:
-        self.data, self.out = Path(self.data), Path(self.out)
+        self.out = Path(self.out)
+        if isinstance(self.data, (list, tuple)):  # from the flag; one plain DIR stays a Path
+            data = [str(d) for d in self.data]
+            self.data = data if len(data) > 1 or is_mixture_arg(data[0]) else Path(data[0])
+        else:
+            self.data = Path(self.data)
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -206,7 +213,7 @@ def _positive(name: str, value: int) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `app train` flags; defaults and help come from TrainConfig."""
     add = config_flags(parser, TrainConfig)
-    add("data", type=Path, required=True, metavar="DIR")
+    add("data", nargs="+", required=True, metavar="DIR | WEIGHT:DIR")
     add("out", type=Path, required=True, metavar="RUN_DIR")
     add("model", metavar="PRESET")
     add("objective", choices=("mlm", "clm"))

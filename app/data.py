@@ -3,7 +3,9 @@
 A sample is made in three steps, each in its own module: the split's shards read as one token
 stream (app.stream), cut into samples by the packing (app.packing: "concat" windows across
 documents, or "doc", one document per sample), then, for MLM, masked (app.masking). Which sample a
-stream position reads is the order (app.order): a keyed permutation per epoch.
+stream position reads is the order (app.order): a keyed permutation per epoch. A weighted mixture
+of datasets (MixtureSpec, MixedWindows) first picks the source and its own position (app.mixture),
+then reads that source like a lone dataset.
 
 Labels: MLM, see app.masking (IGNORE_INDEX off the selected positions); CLM, labels = input_ids
 (Hugging Face causal LMs shift internally) with IGNORE_INDEX on padding.
@@ -22,6 +24,7 @@ from app import packing
 from app.device import usable_cores
 from app.masking import (EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots,
                          sample_rng)
+from app.mixture import Mixture
 from app.order import Permutation, check_batch_geometry, check_rank, eval_positions, \
     rank_positions
 from app.stream import TokenStream
@@ -62,6 +65,30 @@ class DataSpec:
             raise UserError(f"seq_len {self.seq_len}: must be at least 2")
         if not 0.0 < self.mask_prob < 1.0:
             raise UserError(f"mask_prob {self.mask_prob}: must be between 0 and 1 (exclusive)")
+
+
+@dataclass(frozen=True)
+class MixtureSpec:
+    """A weighted mixture: one DataSpec per source (its directory and its own seed; the sample
+    geometry shared), the sources' names and weights."""
+
+    sources: tuple[DataSpec, ...]
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        first = self.sources[0]
+        for s in self.sources[1:]:
+            if (s.split, s.seq_len, s.objective, s.packing, s.mask_prob) != (
+                    first.split, first.seq_len, first.objective, first.packing, first.mask_prob):
+                raise ValueError("the sources of a mixture must share the sample geometry")
+
+    # the shared geometry, as a DataSpec has it (BatchLayout.of reads these)
+    split = property(lambda self: self.sources[0].split)
+    seq_len = property(lambda self: self.sources[0].seq_len)
+    objective = property(lambda self: self.sources[0].objective)
+    packing = property(lambda self: self.sources[0].packing)
+    mask_prob = property(lambda self: self.sources[0].mask_prob)
 
 
 def masker_for(spec: DataSpec, manifest: dict[str, Any]) -> Masker | None:
@@ -156,11 +183,43 @@ class TokenWindows(Dataset):
                 f"corrupt (run `python -m data_tools inspect --verify`, and stage it again)")
 
 
-def batch_samples(spec: DataSpec, global_batch_index: int, global_batch: int) -> list[int]:
-    """The sample ids a global batch reads (what skipped_batches.jsonl records)."""
-    windows = TokenWindows(spec)
+class MixedWindows(Dataset):
+    """Map-style, like TokenWindows: stream position p -> (source s, its position k) by the
+    mixture (app.mixture), then source s's own TokenWindows at k (its order, epochs and masks,
+    keyed by its own seed). O(1) per sample: two table lookups before the source's read."""
+
+    def __init__(self, spec: MixtureSpec):
+        self.spec = spec
+        self.mixture = Mixture(spec.weights)
+        self.sources = [TokenWindows(s) for s in spec.sources]
+
+    def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
+        s, k = self.mixture.locate(int(position))
+        return self.sources[s][k]
+
+    def sample_ids(self, positions: range) -> dict[str, list]:
+        """The (source, sample) each position reads, as parallel lists."""
+        sources, local = self.mixture.locate_many(np.asarray(positions))
+        return {"samples": [self.sources[s].sample_index(k)
+                            for s, k in zip(sources.tolist(), local.tolist())],
+                "sources": [self.spec.names[s] for s in sources.tolist()]}
+
+
+def windows(spec: DataSpec | MixtureSpec) -> TokenWindows | MixedWindows:
+    """The train samples of a dataset, or of a mixture."""
+    return MixedWindows(spec) if isinstance(spec, MixtureSpec) else TokenWindows(spec)
+
+
+def batch_samples(spec: DataSpec | MixtureSpec, global_batch_index: int,
+                  global_batch: int) -> dict[str, list]:
+    """The sample ids a global batch reads, and for a mixture their sources (parallel lists):
+    what skipped_batches.jsonl records."""
     start = global_batch_index * global_batch
-    return [windows.sample_index(p) for p in range(start, start + global_batch)]
+    positions = range(start, start + global_batch)
+    data = windows(spec)
+    if isinstance(data, MixedWindows):
+        return data.sample_ids(positions)
+    return {"samples": [data.sample_index(p) for p in positions]}
 
 
 def dataset_stats(spec: DataSpec, manifest: dict | None = None) -> dict[str, Any]:
@@ -291,7 +350,7 @@ class MicroBatches:
         return (self.layout.unpack(p) for p in packed)
 
 
-def _loader(dataset: TokenWindows, sampler: Iterable[int], micro_batch: int, num_workers: int,
+def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_workers: int,
             pin_memory: bool, prefetch_factor: int) -> MicroBatches:
     layout = BatchLayout.of(dataset.spec)
     extra = {}
@@ -307,8 +366,8 @@ def _loader(dataset: TokenWindows, sampler: Iterable[int], micro_batch: int, num
                                    **extra), layout)
 
 
-def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, dp_rank: int,
-                       dp_size: int, consumed_samples: int, num_workers: int,
+def build_train_loader(spec: DataSpec | MixtureSpec, *, micro_batch: int, global_batch: int,
+                       dp_rank: int, dp_size: int, consumed_samples: int, num_workers: int,
                        pin_memory: bool = False, prefetch_factor: int = 4,
                        manifest: dict | None = None,
                        skip: frozenset[int] = frozenset()) -> MicroBatches:
@@ -316,11 +375,12 @@ def build_train_loader(spec: DataSpec, *, micro_batch: int, global_batch: int, d
 
     Global batch g = stream positions [g*GBS, (g+1)*GBS); rank r takes the contiguous slice
     [g*GBS + r*GBS/dp, g*GBS + (r+1)*GBS/dp), split into micro batches in order. The epoch
-    boundary is crossed inside a batch like any other position.
+    boundary is crossed inside a batch like any other position. A mixture's stream is cut the
+    same way: the mixture decides what each position reads (MixedWindows).
     """
     check_batch_geometry(global_batch, micro_batch, dp_size, consumed_samples)
     check_rank(dp_rank, dp_size)
-    dataset = TokenWindows(spec, manifest)
+    dataset = TokenWindows(spec, manifest) if isinstance(spec, DataSpec) else windows(spec)
     sampler = StreamSampler(consumed_samples, global_batch, dp_rank, dp_size, skip)
     return _loader(dataset, sampler, micro_batch, num_workers, pin_memory, prefetch_factor)
 

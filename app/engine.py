@@ -293,10 +293,19 @@ def init_distributed(device: Device, timeout_minutes: float = 30.0) -> World:
                            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(_free_port())})
     bind(device, int(os.environ.get("LOCAL_RANK", 0)))
     load_op("ShareMemCommBuilder")
-    deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False,
-                               timeout=timedelta(minutes=timeout_minutes))
+    try:
+        deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False,
+                                   timeout=timedelta(minutes=timeout_minutes))
+    except torch.distributed.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise UserError(f"the rendezvous port {where} is in use (another job on this host?): "
+                        f"pass another one (launch.sh --master-port, deepspeed "
+                        f"--master_port)") from None
     world = world_from_env()
-    unlink_shm_buffer(world)
+    if device.is_cpu:  # the shm op is the CPU accelerator's
+        unlink_shm_buffer(world)
     return world
 
 

@@ -74,6 +74,8 @@ class SkippedBatch(Schema):
     global_batch: NonNegativeInt
     positions: list[NonNegativeInt]
     samples: list[NonNegativeInt] = []
+    sources: list[str] = []
+    """With a mixture: the source of each sample (parallel to `samples`)."""
     reason: str
 
 
@@ -125,9 +127,10 @@ def is_run_dir(path: Path) -> bool:
     return output.marked_as(path) == KIND or _made_before_markers(path)
 
 
-def check_out(out: Path, data: Path) -> None:
-    """`--out` may be new, empty, or a run directory; never the dataset or inside it."""
-    output.check_apart(out, [("--data", data)])
+def check_out(out: Path, data: list[Path]) -> None:
+    """`--out` may be new, empty, or a run directory; never a dataset (of a mixture) or inside
+    one."""
+    output.check_apart(out, [("--data", d) for d in data])
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not is_run_dir(out):

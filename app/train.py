@@ -36,11 +36,12 @@ from app.schedule import schedule_fn
 from app.train_state import TrainState
 from app.order import skip_ahead
 from app.preemption import StopRequests
-from app.trainer import Guards, Schedule, Trainer
+from app.sources import Source, Sources, read_sources
+from app.trainer import EvalSet, Guards, Schedule, Trainer
 from app.watchdog import Watchdog
 from data_tools import output
 from data_tools.errors import Stopped, UserError
-from data_tools.manifest import TOKENIZER_DIR, load_manifest, tokenizer_fingerprint
+from data_tools.manifest import TOKENIZER_DIR, tokenizer_fingerprint
 from data_tools.output import write_json_atomic
 
 
@@ -55,7 +56,10 @@ class Plan:
     cfg: TrainConfig
     device: Device
     world: World
+    sources: Sources
+    """The dataset, or the datasets of a mixture, checked (app/sources.py)."""
     manifest: dict[str, Any]
+    """The (first) dataset's manifest: vocabulary and special ids, shared by a mixture."""
     model_config: Any
     objective: str
     ds_config: dict[str, Any]
@@ -69,17 +73,26 @@ class Plan:
     warmup_steps: int
     lr_lambda: Callable[[int], float]
     """The LR schedule, a multiplier of the peak LR per optimizer step."""
-    has_eval: bool
+    train_samples: tuple[int, ...]
+    """Each dataset's train samples (an epoch)."""
+    eval_sources: tuple[int, ...]
+    """The datasets with a val split to evaluate on."""
     resume: tuple[Path, str] | None
     """(checkpoint dir, tag) to resume from."""
 
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_sources)
+
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
-    manifest = load_manifest(cfg.data)
-    check_tokenizer_copy(cfg.data, manifest)
+    sources = read_sources(cfg.data)
+    for source in sources.items:
+        check_tokenizer_copy(source.path, source.manifest)
+    manifest = sources.manifest
     ds_path, raw_ds, precision = settle_deepspeed(cfg, device, world.is_main)
     objective, model_config = settle_model(cfg, manifest, device, precision)
-    stats, has_eval = settle_data(cfg, manifest, objective, world.is_main)
+    stats, eval_sources = settle_data(cfg, sources, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
     total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs)
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
@@ -89,17 +102,35 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     for warning in validate_ds_config(ds, ds_path):
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
-    resume = settle_resume(cfg, manifest, model_config, objective, ds, world)
+    resume = settle_resume(cfg, sources, model_config, objective, ds, world)
     if world.is_main:
-        print(f"data: {stats['num_samples']:,} train samples of {cfg.seq_len} tokens "
-              f"({stats['tokens']:,} tokens); {gbs} samples = {gbs * cfg.seq_len:,} tokens per "
-              f"step; {total_steps} steps = {total_steps * gbs / stats['num_samples']:.2f} epochs",
-              file=sys.stderr)
-    return Plan(cfg=cfg, device=device, world=world, manifest=manifest,
+        print_data(sources, stats, cfg.seq_len, gbs, total_steps)
+    return Plan(cfg=cfg, device=device, world=world, sources=sources, manifest=manifest,
                 model_config=model_config, objective=objective, ds_config=ds, ds_path=ds_path,
                 precision=precision, micro_batch=micro, grad_accum=accum, global_batch=gbs,
                 total_steps=total_steps, warmup_steps=warmup, lr_lambda=lr_lambda,
-                has_eval=has_eval, resume=resume)
+                train_samples=tuple(st["num_samples"] for st in stats),
+                eval_sources=eval_sources, resume=resume)
+
+
+def print_data(sources: Sources, stats: list[dict[str, Any]], seq_len: int, gbs: int,
+               total_steps: int) -> None:
+    """The start-up data lines: samples, tokens, epochs over the run (per source of a mix)."""
+    samples = total_steps * gbs
+    if sources.is_mixture:
+        for source, share, st in zip(sources.items, sources.mixture.fractions, stats):
+            print(f"data: {source.name} ({source.path}), weight {share:.3f}: "
+                  f"{st['num_samples']:,} train samples ({st['tokens']:,} tokens); "
+                  f"{samples * share / st['num_samples']:.2f} epochs over the run",
+                  file=sys.stderr)
+        print(f"data: a mixture of {len(stats)} datasets; {gbs} samples = {gbs * seq_len:,} "
+              f"tokens per step", file=sys.stderr)
+        return
+    st = stats[0]
+    print(f"data: {st['num_samples']:,} train samples of {seq_len} tokens "
+          f"({st['tokens']:,} tokens); {gbs} samples = {gbs * seq_len:,} tokens per "
+          f"step; {total_steps} steps = {samples / st['num_samples']:.2f} epochs",
+          file=sys.stderr)
 
 
 def settle_deepspeed(cfg: TrainConfig, device: Device,
@@ -144,25 +175,30 @@ def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
     return objective, model_config
 
 
-def settle_data(cfg: TrainConfig, manifest: dict[str, Any], objective: str,
-                is_main: bool) -> tuple[dict[str, Any], bool]:
-    """(train split figures, whether there is a val split to evaluate on), from dataset.json."""
+def settle_data(cfg: TrainConfig, sources: Sources, objective: str,
+                is_main: bool) -> tuple[list[dict[str, Any]], tuple[int, ...]]:
+    """(each dataset's train split figures, the datasets with a val split to evaluate on), from
+    dataset.json."""
     from app.data import DataSpec, dataset_stats  # the data side (loaders) of the app
 
-    def stats(split: str) -> dict[str, Any]:
-        return dataset_stats(DataSpec(cfg.data, split, cfg.seq_len, objective, cfg.packing,
-                                      cfg.seed, cfg.mask_prob), manifest)
+    def stats(source: Source, split: str) -> dict[str, Any]:
+        return dataset_stats(DataSpec(source.path, split, cfg.seq_len, objective, cfg.packing,
+                                      cfg.seed, cfg.mask_prob), source.manifest)
 
-    train = stats("train")
-    has_eval = "val" in manifest["splits"] and bool(manifest["splits"]["val"]["shards"])
-    if has_eval:
+    train, with_eval = [], []
+    for i, source in enumerate(sources.items):
+        train.append(stats(source, "train"))
+        splits = source.manifest["splits"]
+        if "val" not in splits or not splits["val"]["shards"]:
+            continue
         try:
-            stats("val")
+            stats(source, "val")
+            with_eval.append(i)
         except UserError as e:
-            has_eval = False
             if is_main:
-                print(f"no evaluation: {e}", file=sys.stderr)
-    return train, has_eval
+                print(f"no evaluation{f' of {source.name}' if sources.is_mixture else ''}: {e}",
+                      file=sys.stderr)
+    return train, tuple(with_eval)
 
 
 def settle_schedule(cfg: TrainConfig, global_batch: int) -> tuple[int, int, Callable]:
@@ -175,15 +211,16 @@ def settle_schedule(cfg: TrainConfig, global_batch: int) -> tuple[int, int, Call
                                             decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)
 
 
-def settle_resume(cfg: TrainConfig, manifest: dict[str, Any], model_config, objective: str,
+def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: str,
                   ds: dict[str, Any], world: World) -> tuple[Path, str] | None:
     """The checkpoint to resume from, checked against this run (or None)."""
-    resume = check_run_dir(cfg)
+    resume = check_run_dir(cfg, sources)
     if resume is None:
         return None
     where = resume[0] / resume[1]
     state = checkpoint.read_state(*resume)
-    checkpoint.check_resumable(state, fingerprint=manifest["fingerprint"],
+    sources.check_resume(state.get("mixture"), where)
+    checkpoint.check_resumable(state, fingerprint=sources.fingerprint,
                                model_config=model_config.to_dict(),
                                sample_layout=sample_layout(cfg, objective), where=where)
     checkpoint.check_files(where)
@@ -227,9 +264,9 @@ def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
     return micro, accum, micro * accum * world_size
 
 
-def check_run_dir(cfg: TrainConfig) -> tuple[Path, str] | None:
+def check_run_dir(cfg: TrainConfig, sources: Sources) -> tuple[Path, str] | None:
     """The checkpoint to resume from (or None), refusing to clobber a previous run silently."""
-    rundir.check_out(cfg.out, cfg.data)
+    rundir.check_out(cfg.out, sources.paths)
     ckpt_dir = cfg.out / rundir.CHECKPOINTS
     resume = checkpoint.find_resume(cfg.resume, cfg.out)
     if resume is None and not cfg.overwrite:
@@ -262,17 +299,20 @@ def prepare_run_dir(cfg: TrainConfig, resume: tuple[Path, str] | None) -> None:
               f"names an earlier checkpoint)", file=sys.stderr)
 
 
-def stage_data(cfg: TrainConfig, world: World) -> Path:
-    """Copy the dataset to node-local --stage-to, before the process group exists (a copy may
-    take longer than any collective's timeout). Every rank calls it: one rank a node copies, the
-    others wait on the destination's lock and then find the copy complete (data_tools.stage)."""
+def stage_data(cfg: TrainConfig, sources: Sources, world: World) -> list[Path]:
+    """Copy the datasets to node-local --stage-to (a mixture's each to its own subdirectory),
+    before the process group exists (a copy may take longer than any collective's timeout).
+    Every rank calls it: one rank a node copies, the others wait on the destination's lock and
+    then find the copy complete (data_tools.stage)."""
     from data_tools.stage import stage  # lazily: only runs that stage need it
 
-    try:
-        stage(cfg.data, cfg.stage_to, progress=world.local_rank == 0)
-    except UserError as e:
-        raise UserError(f"--stage-to {cfg.stage_to}: {e}") from None
-    return cfg.stage_to
+    dirs = sources.staged(cfg.stage_to)
+    for source, dst in zip(sources.items, dirs):
+        try:
+            stage(source.path, dst, progress=world.local_rank == 0)
+        except UserError as e:
+            raise UserError(f"--stage-to {cfg.stage_to}: {e}") from None
+    return dirs
 
 
 EXIT_LOST_PEER = 1  # another rank failed first: its output has the reason
@@ -293,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_run(cfg, device, world_from_env())
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         prepare_run_dir(cfg, plan.resume)
-    data_dir = stage_data(cfg, plan.world) if cfg.stage_to else cfg.data
+    data_dirs = (stage_data(cfg, plan.sources, plan.world) if cfg.stage_to
+                 else plan.sources.paths)
     enable_tf32(device, plan.precision, cfg.tf32)
     world = init_distributed(device, timeout_minutes=cfg.dist_timeout)
     barrier()
@@ -301,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
     engine, n_params = build_engine(plan, state.cooldown)
     torch.manual_seed(dropout_seed(cfg.seed, world.rank))
     state.facts = {"world_size": world.world_size, "global_batch": engine.train_batch_size(),
-                   "dataset_fingerprint": plan.manifest["fingerprint"],
+                   "dataset_fingerprint": plan.sources.fingerprint,
+                   **({"mixture": plan.sources.record()} if plan.sources.is_mixture else {}),
                    "model_config": plan.model_config.to_dict(), "run_config": cfg.to_dict(),
                    "ds_config": plan.ds_config,
                    "flat_master_groups": checkpoint.flat_master_groups(engine)}
@@ -311,11 +353,11 @@ def run(args: argparse.Namespace) -> int:
         if world.is_main:
             print(f"resumed from {plan.resume[0] / plan.resume[1]} at step {state.step}",
                   file=sys.stderr)
-    run_config = describe_run(plan, engine, world, data_dir, n_params, threads)
+    run_config = describe_run(plan, engine, world, data_dirs, n_params, threads)
     shape = run_shape(plan, engine)
     if world.is_main:
-        record_run(plan, engine, run_config, data_dir, n_params, shape)
-    trainer = build_trainer(plan, engine, world, data_dir, state, run_config, shape)
+        record_run(plan, engine, run_config, data_dirs[0], n_params, shape)
+    trainer = build_trainer(plan, engine, world, data_dirs, state, run_config, shape)
     try:
         summary = trainer.fit()
     except RuntimeError as e:
@@ -379,7 +421,7 @@ def finish(plan: Plan, summary: dict[str, Any], started: float) -> None:
           f"{summary['tokens_per_sec']:,.0f} tokens/s; run in {cfg.out}", file=sys.stderr)
 
 
-def describe_run(plan: Plan, engine, world: World, data_dir: Path, n_params: int,
+def describe_run(plan: Plan, engine, world: World, data_dirs: list[Path], n_params: int,
                  threads: int | None) -> dict[str, Any]:
     """RUN_DIR/config.json: the resolved run, the DeepSpeed config and the environment."""
     cfg = plan.cfg
@@ -398,10 +440,7 @@ def describe_run(plan: Plan, engine, world: World, data_dir: Path, n_params: int
         "ds_config_file": str(plan.ds_path),
         "ds_config": plan.ds_config,
         "engine": engine_facts(engine),
-        "data": {"source": str(cfg.data), "read_from": str(data_dir),
-                 "staged": cfg.stage_to is not None,
-                 "fingerprint": plan.manifest["fingerprint"],
-                 "vocab_size": plan.manifest["vocab_size"]},
+        "data": describe_data(plan, data_dirs),
         "environment": {"world_size": world.world_size,
                         "local_world_size": world.local_world_size,
                         "nodes": max(1, world.world_size // max(1, world.local_world_size)),
@@ -409,6 +448,18 @@ def describe_run(plan: Plan, engine, world: World, data_dir: Path, n_params: int
                         "hostname": platform.node(), "python": platform.python_version(),
                         **versions()},
     }
+
+
+def describe_data(plan: Plan, data_dirs: list[Path]) -> dict[str, Any]:
+    """config.json's "data": where the dataset was read from; for a mixture every source (name,
+    path, weight, its quantised share, fingerprint, where it was read from)."""
+    sources, staged = plan.sources, plan.cfg.stage_to is not None
+    common = {"staged": staged, "fingerprint": sources.fingerprint,
+              "vocab_size": plan.manifest["vocab_size"]}
+    if not sources.is_mixture:
+        return {"source": str(sources.paths[0]), "read_from": str(data_dirs[0]), **common}
+    return {"mixture": [{**entry, "read_from": str(d)}
+                        for entry, d in zip(sources.record(), data_dirs)], **common}
 
 
 def run_shape(plan: Plan, engine) -> telemetry.RunShape:
@@ -423,30 +474,44 @@ def run_shape(plan: Plan, engine) -> telemetry.RunShape:
                               peak_tflops=peak)
 
 
-def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: TrainState,
-                  run_config: dict[str, Any], shape: telemetry.RunShape) -> Trainer:
-    from app.data import DataSpec, build_eval_loader, build_train_loader, default_num_workers
+def build_trainer(plan: Plan, engine, world: World, data_dirs: Path | list[Path],
+                  state: TrainState, run_config: dict[str, Any],
+                  shape: telemetry.RunShape) -> Trainer:
+    """The loop with its loaders (`data_dirs`: where each dataset is read from; one directory
+    for one dataset), logger, schedule and guards."""
+    from app.data import (DataSpec, MixtureSpec, build_eval_loader, build_train_loader,
+                          default_num_workers)
 
+    data_dirs = [data_dirs] if isinstance(data_dirs, Path) else data_dirs
     cfg = plan.cfg
     workers = (cfg.num_workers if cfg.num_workers is not None
                else default_num_workers(world.local_world_size))
     pin = plan.device.pin_memory
     micro = engine.train_micro_batch_size_per_gpu()  # read back: the engine owns batch sizes
 
-    def spec(split: str) -> DataSpec:
-        return DataSpec(data_dir, split, cfg.seq_len, plan.objective, cfg.packing, cfg.seed,
-                        cfg.mask_prob)
+    sources = plan.sources
+
+    def spec(split: str, i: int) -> DataSpec:  # a mixture's sources each with its own seed
+        return DataSpec(data_dirs[i], split, cfg.seq_len, plan.objective, cfg.packing,
+                        sources.seed(cfg.seed, i), cfg.mask_prob)
+
+    train_spec = (MixtureSpec(tuple(spec("train", i) for i in range(len(data_dirs))),
+                              tuple(sources.names), tuple(s.weight for s in sources.items))
+                  if sources.is_mixture else spec("train", 0))
 
     def train_batches(consumed: int, skip: frozenset[int]):
         return faults.slow_loader(build_train_loader(
-            spec("train"), micro_batch=micro, global_batch=engine.train_batch_size(),
+            train_spec, micro_batch=micro, global_batch=engine.train_batch_size(),
             dp_rank=world.rank, dp_size=world.world_size, consumed_samples=consumed,
             num_workers=workers, pin_memory=pin, skip=skip), world.rank)
 
-    def eval_batches():
-        return build_eval_loader(spec("val"), micro_batch=micro,
-                                 dp_rank=world.rank, dp_size=world.world_size,
-                                 max_samples=cfg.eval_samples, num_workers=0, pin_memory=pin)
+    def eval_set(i: int) -> EvalSet:
+        return EvalSet(name=sources.names[i] if sources.is_mixture else None,
+                       weight=sources.items[i].weight,
+                       batches=lambda: build_eval_loader(
+                           spec("val", i), micro_batch=micro, dp_rank=world.rank,
+                           dp_size=world.world_size, max_samples=cfg.eval_samples,
+                           num_workers=0, pin_memory=pin))
 
     wandb = WandbSettings(mode=wandb_mode(cfg.wandb), project=cfg.wandb_project,
                           name=cfg.run_name or cfg.out.resolve().name, group=cfg.wandb_group,
@@ -461,9 +526,10 @@ def build_trainer(plan: Plan, engine, world: World, data_dir: Path, state: Train
     return Trainer(engine=engine, world=world, device=plan.device.torch_device(world.local_rank),
                    schedule=schedule, state=state, seq_len=cfg.seq_len, objective=plan.objective,
                    train_batches=train_batches,
-                   eval_batches=eval_batches if plan.has_eval else None, logger=logger,
+                   eval_sets=[eval_set(i) for i in plan.eval_sources], logger=logger,
                    run_dir=cfg.out, shape=shape, compute_clock=ComputeClock(plan.device),
-                   guards=build_guards(plan, world, state, spec("train"), engine))
+                   guards=build_guards(plan, world, state, train_spec, engine),
+                   data_figures=lambda position: sources.epochs(position, plan.train_samples))
 
 
 def build_guards(plan: Plan, world: World, state: TrainState, train_spec, engine) -> Guards:

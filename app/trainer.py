@@ -56,21 +56,33 @@ class Guards:
     watchdog: Watchdog
     skip: frozenset[int]
     """Global batches never trained on (app/rundir.py, skipped_batches.jsonl)."""
-    describe_batch: Callable[[int], list[int]]
-    """The sample ids of a global batch (for the record of a skipped one)."""
+    describe_batch: Callable[[int], dict[str, list]]
+    """The sample ids of a global batch, and with a mixture their sources (app.data
+    .batch_samples), for the record of a skipped one."""
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A validation pass: the dataset's (name None), or one source's of a mixture."""
+
+    name: str | None
+    weight: float
+    """Its weight in the overall eval/loss (a mixture's source weight)."""
+    batches: Callable[[], Iterable]
 
 
 class Trainer:
     def __init__(self, *, engine, world: World, device: torch.device, schedule: Schedule,
                  state: TrainState, seq_len: int, objective: str,
                  train_batches: Callable[[int, frozenset[int]], Iterable],
-                 eval_batches: Callable[[], Iterable] | None,
-                 logger: MetricsLogger, run_dir: Path, shape: telemetry.RunShape,
-                 compute_clock: ComputeClock, guards: Guards):
+                 eval_sets: list[EvalSet], logger: MetricsLogger, run_dir: Path,
+                 shape: telemetry.RunShape, compute_clock: ComputeClock, guards: Guards,
+                 data_figures: Callable[[int], dict[str, float]] = lambda position: {}):
         self.engine, self.world, self.device = engine, world, device
         self.schedule, self.state = schedule, state
         self.seq_len, self.objective = seq_len, objective
-        self.train_batches, self.eval_batches = train_batches, eval_batches
+        self.train_batches, self.eval_sets = train_batches, eval_sets
+        self.data_figures = data_figures  # per-source epochs of a mixture, at a stream position
         self.logger, self.run_dir = logger, run_dir
         self.ckpt_dir = run_dir / rundir.CHECKPOINTS
         self.shape, self.guards = shape, guards
@@ -194,7 +206,7 @@ class Trainer:
             rundir.add_skipped(self.run_dir, {
                 "step": found.step, "global_batch": batch,
                 "positions": [start, start + self.global_batch],
-                "samples": self.guards.describe_batch(batch), "reason": found.describe()})
+                **self.guards.describe_batch(batch), "reason": found.describe()})
 
     def rollback(self, found: anomaly.Anomaly) -> None:
         """Back to the last checkpoint (written before the anomaly: saves follow clean checks),
@@ -252,6 +264,7 @@ class Trainer:
                   "train/lr": self._lr, "train/grad_norm": norm,
                   "train/loss_scale": loss_scale(self.engine),
                   "train/skipped_steps": self.engine.skipped_steps,
+                  **self.data_figures(s.consumed_samples),
                   **telemetry.interval([r[2:] for r in rows], s.step - self.window.first_step,
                                        self.shape)}
         self.logger.log(record)
@@ -264,8 +277,9 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss (and MLM accuracy) over the val pass, token-weighted across ranks."""
-        if self.eval_batches is None:
+        """Loss (and MLM accuracy) over the val pass, token-weighted across ranks; for a mixture
+        per source too (`eval_figures`)."""
+        if not self.eval_sets:
             return {}
         self.guards.watchdog.beat("evaluating")
         with self.window.paused():  # evaluation is not training time
@@ -281,22 +295,19 @@ class Trainer:
 
     def _evaluate(self) -> dict[str, float]:
         self.engine.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(len(self.eval_sets), 3, dtype=torch.float64, device=self.device)
         with torch.random.fork_rng(devices=[]):  # evaluation must not shift training randomness
-            for batch in self.eval_batches():
-                batch = to_device(batch, self.device)
-                # MLM: logits at the masked positions only; CLM: the loss is ours, in chunks
-                labels = batch["mlm_labels"] if self.objective == "mlm" else batch.pop("labels")
-                logits = self.engine(**batch).logits
-                totals += token_sums(logits, labels, self.objective)
-        all_reduce_sum(totals)
-        loss_sum, count, correct = totals.tolist()  # eval-time host sync
+            for i, eval_set in enumerate(self.eval_sets):
+                for batch in eval_set.batches():
+                    batch = to_device(batch, self.device)
+                    # MLM: logits at the masked positions only; CLM: the loss is ours, in chunks
+                    labels = (batch["mlm_labels"] if self.objective == "mlm"
+                              else batch.pop("labels"))
+                    logits = self.engine(**batch).logits
+                    totals[i] += token_sums(logits, labels, self.objective)
+        all_reduce_sum(totals)  # one reduction for every set
         self.engine.train()
-        loss = loss_sum / max(count, 1)
-        result = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
-        if self.objective == "mlm":
-            result["eval/accuracy"] = correct / max(count, 1)
-        return result
+        return eval_figures(self.eval_sets, totals.tolist(), self.objective)  # host sync
 
     def save(self) -> Path | None:
         self.guards.watchdog.beat("saving a checkpoint")
@@ -335,6 +346,27 @@ class Trainer:
         self._grad_norm = None
         self._state_bytes = 0
         self._lr = 0.0
+
+
+def eval_figures(sets: list[EvalSet], totals: list[list[float]], objective: str
+                 ) -> dict[str, float]:
+    """eval/loss, eval/perplexity (and MLM eval/accuracy) from each set's [loss sum, tokens,
+    correct]. One set: token-weighted, as ever. A mixture: `eval/<name>/loss` per source, and
+    the overall figures weighted by the sources' weights (the loss expected on the training
+    mix, whatever the sizes of the val splits)."""
+    loss = [t[0] / max(t[1], 1) for t in totals]
+    accuracy = [t[2] / max(t[1], 1) for t in totals]
+    weights = [s.weight for s in sets]
+
+    def mean(xs: list[float]) -> float:
+        return sum(w * x for w, x in zip(weights, xs)) / sum(weights)
+
+    result = {f"eval/{s.name}/loss": x for s, x in zip(sets, loss) if s.name is not None}
+    overall = mean(loss)
+    result.update({"eval/loss": overall, "eval/perplexity": math.exp(min(overall, 50.0))})
+    if objective == "mlm":
+        result["eval/accuracy"] = mean(accuracy)
+    return result
 
 
 def token_sums(logits: torch.Tensor, labels: torch.Tensor, objective: str,

@@ -60,7 +60,7 @@ def bench_kind(kind: str, inputs: list[str], work: Path, args) -> dict:
                "--include", "*.py", "--out", str(tok_dir), "--kind", kind,
                "--vocab-size", str(args.vocab_size))
     corpus = Corpus(inputs, "*.py")
-    texts = [text for text, _ in corpus.pieces()]
+    texts = [text for text, _, _ in corpus.pieces()]
     input_bytes = corpus.input_bytes
     tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     tok.encode_batch(texts[:50], add_special_tokens=False)  # warm up the thread pool

@@ -64,6 +64,7 @@ def main() -> int:
     args = ap.parse_args()
 
     out = Path(tempfile.mkdtemp(prefix="bench_telemetry_")) / "run"
+    out.mkdir()
     cfg = TrainConfig(data=args.data, out=out, model=args.model, seq_len=args.seq_len,
                       micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                       max_steps=args.steps + 5, log_every=10 ** 9, wandb="disabled",

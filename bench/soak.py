@@ -7,7 +7,8 @@ from /proc while it runs, plus the files in the temporary directories before and
 
 Pass: after warm-up (the first --warmup fraction of the run), each rank's RSS stays within 5% of
 its post-warm-up median at every sample, each rank's fd count ends where it was after warm-up,
-and no file is left in the temporary directories. The figures go to JSON and a PNG; the verdict
+nothing appears in the run's TMPDIR after warm-up, and none of the run's /dev/shm names (its
+all-reduce buffers, torch's shared tensors) is left. The figures go to JSON and a PNG; the verdict
 is the last line.
 
     python bench/soak.py --steps 2000 --save-every 50 --out /tmp/soak
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TMP_DIRS = [Path(tempfile.gettempdir()), Path("/dev/shm")]
+SHM = Path("/dev/shm")
 
 
 def rank_pids(out: Path) -> list[int]:
@@ -38,7 +40,8 @@ def rank_pids(out: Path) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"app" in argv and b"train" in argv and str(out).encode() in argv:
+        ranks = any(a == b"-m" and b == b"app" for a, b in zip(argv, argv[1:]))
+        if ranks and str(out).encode() in argv:  # not the launchers (`--module app`)
             pids.append(int(proc.name))
     return sorted(pids)
 
@@ -50,18 +53,19 @@ def sample(pid: int) -> tuple[float, int] | None:
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return None
-    rss_kb = next(int(line.split()[1]) for line in status.splitlines()
-                  if line.startswith("VmRSS:"))
-    return rss_kb / 1024, fds
+    rss_kb = [int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")]
+    return (rss_kb[0] / 1024, fds) if rss_kb else None  # none: exiting
 
 
-def tmp_files() -> set[str]:
-    found = set()
-    for root in TMP_DIRS:
-        if root.is_dir():
-            for path in root.iterdir():
-                found.add(str(path))
-    return found
+def files_in(root: Path) -> set[str]:
+    return {str(p) for p in root.iterdir()} if root.is_dir() else set()
+
+
+def ours_in_shm(name: str, port: int) -> bool:
+    """/dev/shm names the run's processes make: DeepSpeed's all-reduce buffers (by the run's
+    port) and torch's shared tensors; other users' files there are not the run's."""
+    base = Path(name).name
+    return base.startswith("torch_") or f"_{port}_" in base
 
 
 def prepare_default(work: Path) -> Path:
@@ -75,7 +79,7 @@ def prepare_default(work: Path) -> Path:
         corpus.mkdir(parents=True)
         for name in ("json", "email", "asyncio", "logging", "unittest"):
             for src in sorted((stdlib / name).glob("*.py")):
-                (corpus / f"{name}_{src.name}").write_bytes(src.read_bytes())
+                (corpus / f"{name}_{src.stem}.txt").write_bytes(src.read_bytes())
     tok = work / "tok"
     run = [sys.executable, "-m", "data_tools"]
     if not (tok / "tokenizer.json").is_file():
@@ -93,20 +97,26 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/soak"))
     ap.add_argument("--data", type=Path, help="a prepared dataset (default: the stdlib one)")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
-    ap.add_argument("--warmup", type=float, default=0.1, help="fraction of the run ignored")
+    ap.add_argument("--warmup", type=float, default=0.1,
+                    help="fraction of the steps ignored (start-up, first allocations)")
     ap.add_argument("--tolerance", type=float, default=0.05, help="allowed RSS drift")
     args = ap.parse_args()
 
     args.out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     data = args.data or prepare_default(args.out)
     run = args.out / "run"
     if run.exists():
         subprocess.run(["rm", "-rf", str(run)], check=True)
-    before = tmp_files()
+    tmp = Path(tempfile.mkdtemp(prefix="soak_tmp_"))  # the run's TMPDIR: anything left leaked
+    shm_before = files_in(SHM)
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", TMPDIR=str(tmp))
     launcher = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--no_local_rank", "--module", "app", "train",
+    cmd = [launcher, "--num_gpus", "2", "--no_local_rank", "--master_port", str(port),
+           "--module", "app", "train",
            "--data", str(data), "--out", str(run), "--model", "bert-tiny", "--seq-len", "64",
            "--micro-batch", "4", "--max-steps", str(args.steps), "--save-every",
            str(args.save_every), "--keep-last", "2", "--log-every", "50", "--eval-every", "500",
@@ -116,6 +126,8 @@ def main() -> int:
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     samples: dict[int, list[tuple[float, float, int]]] = {}
     pids: list[int] = []
+    warm: set[str] | None = None
+    warm_at = 0.0
     try:
         from tqdm import tqdm
         bar = tqdm(total=args.steps, unit="step", desc="soak")
@@ -129,6 +141,9 @@ def main() -> int:
                     samples.setdefault(rank, []).append((now, *got))
             step = _last_step(run)
             bar.update(step - bar.n)
+            if warm is None and step >= args.warmup * args.steps:
+                warm = files_in(tmp)  # what start-up made (torch's caches): not a leak
+                warm_at = now
             time.sleep(args.interval)
         bar.close()
     finally:
@@ -139,15 +154,17 @@ def main() -> int:
     if proc.returncode != 0:
         print(f"soak: the run failed with status {proc.returncode}: see {args.out / 'soak.log'}")
         return 1
-    leaked = sorted(tmp_files() - before)
+    new_shm = files_in(SHM) - shm_before
+    leaked = sorted((files_in(tmp) - (warm or set())) |
+                    {f for f in new_shm if ours_in_shm(f, port)})
+    others = sorted(f for f in new_shm if not ours_in_shm(f, port))
 
     results = {"steps": args.steps, "save_every": args.save_every, "seconds": round(elapsed, 1),
                "checkpoints_written": args.steps // args.save_every, "ranks": {},
-               "tmp_files_left": leaked}
+               "tmp_files_left": leaked, "other_new_shm_files": others}
     ok = not leaked
     for rank, rows in sorted(samples.items()):
-        cut = rows[0][0] + args.warmup * (rows[-1][0] - rows[0][0])
-        steady = [r for r in rows if r[0] >= cut]
+        steady = [r for r in rows if r[0] >= warm_at]  # from the step --warmup x --steps on
         rss = [r[1] for r in steady]
         median = statistics.median(rss)
         drift = max(abs(v - median) for v in rss) / median

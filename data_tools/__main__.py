@@ -1,4 +1,4 @@
-"""`python -m data_tools COMMAND`: tokenizer | prepare | inspect | stage."""
+"""`python -m data_tools COMMAND`: tokenizer | prepare | adopt | inspect | stage."""
 from __future__ import annotations
 
 import sys
@@ -10,6 +10,8 @@ COMMANDS = {
     "tokenizer": ("data_tools.tokenizer",
                   "train a WordPiece (BERT) or byte-level BPE (GPT) tokenizer"),
     "prepare": ("data_tools.prepare", "pretokenize a corpus into Megatron .bin/.idx shards"),
+    "adopt": ("data_tools.adopt", "a dataset for existing Megatron .bin/.idx shards "
+                                  "(linked or copied, checked, no re-tokenizing)"),
     "inspect": ("data_tools.inspection", "summarise, decode and verify a dataset directory"),
     "stage": ("data_tools.stage", "copy a dataset to node-local disk, verified and resumable"),
 }

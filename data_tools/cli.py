@@ -11,7 +11,9 @@ import math
 import textwrap
 from dataclasses import MISSING, fields
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def finite_float(text: str) -> float:
@@ -41,6 +43,12 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
             out[node.target.id] = nxt.value.value
     return out
+
+
+def from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """The config dataclass `cls` from parsed flags (other attributes of `args` ignored)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def config_flags(parser: argparse.ArgumentParser, cls: type) -> Callable[..., None]:

@@ -1,8 +1,11 @@
 """Reading a user's corpus: which files, in what order, and the documents inside them.
 
-A `.txt` file (and any file matched by another `--include` pattern, e.g. `*.py`) is one document;
-a `.jsonl`/`.jsonl.gz` file holds one document per line under `--text-key`. Directories are walked
-recursively in sorted order, so the document order, and with it the dataset, is deterministic.
+Directories are walked recursively in sorted order, so the document order, and with it the
+dataset, is deterministic. A directory that Hugging Face `datasets.save_to_disk` wrote (its
+`state.json` lists `_data_files`) is read as that dataset: its arrow files in the listed order,
+nothing else (not the `cache-*.arrow` files a `.map()` leaves beside them). A `DatasetDict`
+directory is refused with its split names: one split is what a corpus means. What is in each
+file, per format, is formats.py's job.
 
 Documents come out as *pieces* of at most about `PIECE_CHARS` characters, so that neither a huge
 `.txt` file nor a huge JSON line is ever tokenized in one call (which would hold every token's
@@ -10,45 +13,36 @@ offsets in memory). Where possible a piece ends just before a space that precede
 after a newline between two non-spaces: WordPiece ignores whitespace, and GPT-2's byte-level
 pre-tokenizer always splits there too (" word" starts a pre-token), so the ids equal those of the
 whole document. Text with neither (no spaces for ~PIECE_CHARS/2) is cut at a newline, else anywhere.
+
+Empty documents (an empty file, `""` under the key) are counted and yield nothing. Each
+document's last piece carries its `Position`: where the input stands after it, and the counts so
+far, so that a resumed prepare starts reading right after it (`pieces(start=...)`).
 """
 from __future__ import annotations
 
-import codecs
 import fnmatch
-import gzip
-import json
 import os
-import re
-import zlib
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import xxhash
 
 from data_tools.errors import UserError
+from data_tools.formats import FileRead, cut_point, records
+from data_tools.schema import read_json
 
-DEFAULT_INCLUDE = "*.txt,*.jsonl,*.jsonl.gz"
+DEFAULT_INCLUDE = ("*.txt,*.jsonl,*.jsonl.gz,*.jsonl.zst,*.json.gz,*.json.zst,*.parquet,"
+                   "*.arrow")
 PIECE_CHARS = 1 << 20
-_READ_BYTES = 1 << 20
-_GOOD_CUT = re.compile(r"(?<=\S)\n(?=\S)|(?= \S)")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-# The stats of the corpus decoding right now: codec error handlers are registered globally, so
-# the handler finds its corpus here (set around each decode call, never across a `yield`).
-_decoding: ContextVar[CorpusStats | None] = ContextVar("dspretrain_decoding", default=None)
+HF_STATE = "state.json"
+HF_DICT = "dataset_dict.json"
 
 
-def _count_and_replace(err: UnicodeDecodeError) -> tuple[str, int]:
-    """Codec error handler: U+FFFD like errors="replace", but counted for the summary."""
-    stats = _decoding.get()
-    if stats is not None:
-        stats.replaced_chars += 1
-    return "\ufffd", err.end
-
-
-codecs.register_error("dspretrain.count", _count_and_replace)
+def _link(chain: str, file_digest: str) -> str:
+    """The source fingerprint grows one file at a time: a hash of (chain so far, file digest),
+    so a resume can carry it across the files it does not read again."""
+    return xxhash.xxh3_128((chain + file_digest).encode()).hexdigest()
 
 
 @dataclass
@@ -58,12 +52,31 @@ class CorpusStats:
     files: int = 0
     bytes: int = 0
     documents: int = 0
+    empty_documents: int = 0
     replaced_chars: int = 0
-    hasher: xxhash.xxh3_128 = field(default_factory=xxhash.xxh3_128)
+    chain: str = ""
 
     @property
     def fingerprint(self) -> str:
-        return f"xxh3_128:{self.hasher.hexdigest()}"
+        return f"xxh3_128:{self.chain}"
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the input stands after a document: file `file` read up to record `record` (a line,
+    a row; 1 for a text file), and the counts up to there (`chain`: the fingerprint of the files
+    before `file`)."""
+
+    file: int
+    record: int
+    bytes: int
+    documents: int
+    empty_documents: int
+    replaced_chars: int
+    chain: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def parse_include(include: str) -> list[str]:
@@ -85,13 +98,7 @@ def list_files(paths: Sequence[str | os.PathLike], include: str = DEFAULT_INCLUD
         elif p.is_dir():
             if not os.access(p, os.R_OK | os.X_OK):
                 raise UserError(f"{p}: directory is not readable")
-            found = []
-            for root, dirs, names in os.walk(p, onerror=_walk_error):
-                dirs.sort()
-                for name in names:
-                    if any(fnmatch.fnmatch(name, g) for g in globs):
-                        found.append(Path(root) / name)
-            files.extend(sorted(found, key=lambda f: f.relative_to(p).parts))
+            files.extend(_walk(p, globs))
         elif p.exists():
             raise UserError(f"{p}: not a regular file or directory")
         else:
@@ -104,12 +111,53 @@ def list_files(paths: Sequence[str | os.PathLike], include: str = DEFAULT_INCLUD
     return files
 
 
-def _walk_error(e: OSError) -> None:
-    raise UserError(f"{e.filename}: cannot read directory ({e.strerror})")
+def _walk(d: Path, globs: list[str]) -> list[Path]:
+    """The matching files under `d`, names in sorted order, subdirectories where they sort
+    (symbolic links to directories are not followed)."""
+    hf = hf_data_files(d)
+    if hf is not None:
+        return [f for f in hf if any(fnmatch.fnmatch(f.name, g) for g in globs)]
+    try:
+        entries = sorted(os.scandir(d), key=lambda e: e.name)
+    except OSError as e:
+        raise UserError(f"{d}: cannot read directory ({e.strerror})") from None
+    found: list[Path] = []
+    for e in entries:
+        if e.is_dir():
+            if not e.is_symlink():
+                found.extend(_walk(Path(e.path), globs))
+        elif any(fnmatch.fnmatch(e.name, g) for g in globs):
+            found.append(Path(e.path))
+    return found
 
 
-def is_jsonl(path: Path) -> bool:
-    return path.name.endswith((".jsonl", ".jsonl.gz"))
+def hf_data_files(d: Path) -> list[Path] | None:
+    """The arrow files of a `datasets.save_to_disk` directory, in order (None: not one)."""
+    if (d / HF_DICT).is_file():
+        info = read_json(d / HF_DICT)
+        splits = info.get("splits") if isinstance(info, dict) else None
+        splits = [str(s) for s in splits] if isinstance(splits, list) and splits else ["train"]
+        raise UserError(f"{d}: a Hugging Face DatasetDict (splits: {', '.join(splits)}); pass "
+                        f"one split's directory, e.g. {d / splits[0]}")
+    if not (d / HF_STATE).is_file():
+        return None
+    state = read_json(d / HF_STATE)
+    listed = state.get("_data_files") if isinstance(state, dict) else None
+    if listed is None:
+        return None  # some other state.json: an ordinary directory
+    where = d / HF_STATE
+    if not isinstance(listed, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("filename"), str) for f in listed):
+        raise UserError(f"{where}: key '_data_files' is not a list of {{\"filename\": ...}}")
+    files = []
+    for entry in listed:
+        name = entry["filename"]
+        if "/" in name or name in ("", ".", ".."):
+            raise UserError(f"{where}: key '_data_files' names {name!r}, not a file name")
+        if not (d / name).is_file():
+            raise UserError(f"{where}: lists {name}, which is missing")
+        files.append(d / name)
+    return files
 
 
 class Corpus:
@@ -122,145 +170,94 @@ class Corpus:
         self.strict = strict
         self.piece_chars = piece_chars
         self.stats = CorpusStats()
-        self.input_bytes = 0
+        self.stat_results: list[os.stat_result] = []
         for f in self.files:
             try:
-                self.input_bytes += f.stat().st_size
+                self.stat_results.append(f.stat())
             except OSError as e:
                 raise UserError(f"{f}: cannot read ({e.strerror})") from None
+        self.input_bytes = sum(s.st_size for s in self.stat_results)
+        self._done_bytes = 0  # file bytes of the files finished (progress)
+        self._read: FileRead | None = None
 
     @property
-    def _errors(self) -> str:
-        return "strict" if self.strict else "dspretrain.count"
+    def progress(self) -> int:
+        """Bytes of the input files consumed so far (compressed, as on disk)."""
+        return self._done_bytes + (self._read.pos if self._read is not None else 0)
 
-    def pieces(self) -> Iterator[tuple[str, bool]]:
-        """(text, is_last_piece_of_its_document), documents in order; empty ones skipped."""
-        for path in self.files:
-            self.stats.files += 1
-            try:
-                if is_jsonl(path):
-                    yield from self._jsonl_pieces(path)
-                else:
-                    yield from self._text_pieces(path)
-            except PermissionError as e:
-                raise UserError(f"{path}: cannot read ({e.strerror})") from None
-            except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-                raise UserError(f"{path}: corrupt gzip file ({e})") from None
-            except OSError as e:
-                raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    def pieces(self, start: Position | None = None) -> Iterator[tuple[str, bool, Position | None]]:
+        """(text, is_last_piece_of_its_document, position after it if last), documents in order,
+        from the start or right after `start`."""
+        first = 0
+        if start is not None:
+            first = start.file
+            self.stats = CorpusStats(files=first, bytes=start.bytes, documents=start.documents,
+                                     empty_documents=start.empty_documents,
+                                     replaced_chars=start.replaced_chars, chain=start.chain)
+            self._done_bytes = sum(s.st_size for s in self.stat_results[:first])
+        for index in range(first, len(self.files)):
+            skip = start.record if start is not None and index == start.file else 0
+            yield from self._file_pieces(index, skip)
 
-    def batches(self, batch_chars: int) -> Iterator[tuple[list[str], list[bool], int]]:
-        """(pieces, is-last flags, corpus bytes read so far) in batches of ~`batch_chars`
-        characters: what a tokenizer takes per call."""
-        texts: list[str] = []
-        lasts: list[bool] = []
+    def _file_pieces(self, index: int, skip: int) -> Iterator[tuple[str, bool, Position | None]]:
+        path, stats = self.files[index], self.stats
+        stats.files += 1
+        read = self._read = FileRead(path, self.text_key, self.strict, self.piece_chars, skip)
+        base_bytes, base_replaced = stats.bytes, stats.replaced_chars
+        started = False
+        try:
+            for text, last, record in records(read):
+                if not last:
+                    started = True
+                    yield text, False, None
+                    continue
+                stats.bytes, stats.replaced_chars = base_bytes + read.bytes, \
+                    base_replaced + read.replaced
+                if not text and not started:
+                    stats.empty_documents += 1
+                    continue
+                started = False
+                stats.documents += 1
+                pos = Position(index, record, stats.bytes, stats.documents,
+                               stats.empty_documents, stats.replaced_chars, stats.chain)
+                while len(text) > self.piece_chars:
+                    cut = cut_point(text, self.piece_chars)
+                    yield text[:cut], False, None
+                    text = text[cut:]
+                yield text, True, pos
+        except PermissionError as e:
+            raise UserError(f"{path}: cannot read ({e.strerror})") from None
+        except OSError as e:
+            raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+        stats.bytes, stats.replaced_chars = base_bytes + read.bytes, base_replaced + read.replaced
+        stats.chain = _link(stats.chain, read.hasher.hexdigest())
+        self._done_bytes += self.stat_results[index].st_size
+        self._read = None
+
+    def batches(self, batch_chars: int, start: Position | None = None) -> Iterator[Batch]:
+        """Pieces in batches of ~`batch_chars` characters (what a tokenizer takes per call),
+        with the input bytes consumed so far (for a progress bar)."""
+        batch = Batch()
         chars = 0
-        for text, last in self.pieces():
-            texts.append(text)
-            lasts.append(last)
+        for text, last, pos in self.pieces(start):
+            batch.texts.append(text)
+            batch.lasts.append(last)
+            batch.positions.append(pos)
             chars += len(text)
             if chars >= batch_chars:
-                yield texts, lasts, self.stats.bytes
-                texts, lasts, chars = [], [], 0
-        if texts:
-            yield texts, lasts, self.stats.bytes
-
-    def _decode(self, decode, *args) -> str:
-        token = _decoding.set(self.stats)  # the error handler counts into this corpus
-        try:
-            return decode(*args)
-        finally:
-            _decoding.reset(token)
-
-    def _text_pieces(self, path: Path) -> Iterator[tuple[str, bool]]:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors=self._errors)
-        buf = ""
-        offset = 0
-        emitted = False
-        with open(path, "rb") as f:
-            while True:
-                raw = f.read(_READ_BYTES)
-                self._account(raw)
-                try:
-                    buf += self._decode(decoder.decode, raw, not raw)
-                except UnicodeDecodeError as e:
-                    raise UserError(f"{path}: invalid UTF-8 at byte {offset + e.start} "
-                                    f"(drop --strict to replace and count it)") from None
-                offset += len(raw)
-                while len(buf) > self.piece_chars:
-                    cut = _cut_point(buf, self.piece_chars)
-                    yield buf[:cut], False
-                    emitted = True
-                    buf = buf[cut:]
-                if not raw:
-                    break
-        if buf or emitted:
-            self.stats.documents += 1
-            yield buf, True
-
-    def _jsonl_pieces(self, path: Path) -> Iterator[tuple[str, bool]]:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        key = self.text_key
-        with opener(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                self._account(raw)
-                try:
-                    line = self._decode(raw.decode, "utf-8", self._errors)
-                except UnicodeDecodeError as e:
-                    raise UserError(f"{path}:{lineno}: invalid UTF-8 at column {e.start + 1} "
-                                    f"(drop --strict to replace and count it)") from None
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{lineno}: malformed JSON line ({e.msg} at column "
-                                    f"{e.colno})") from None
-                if not isinstance(obj, dict):
-                    raise UserError(f"{path}:{lineno}: expected a JSON object, got "
-                                    f"{type(obj).__name__}")
-                if key not in obj:
-                    raise UserError(f"{path}:{lineno}: no key '{key}' (set --text-key)")
-                text = obj[key]
-                if not isinstance(text, str):
-                    raise UserError(f"{path}:{lineno}: key '{key}' is {type(text).__name__}, "
-                                    f"not a string")
-                if not text.isascii():
-                    text = self._fix_surrogates(text, path, lineno)
-                if not text:
-                    continue
-                self.stats.documents += 1
-                while len(text) > self.piece_chars:
-                    cut = _cut_point(text, self.piece_chars)
-                    yield text[:cut], False
-                    text = text[cut:]
-                yield text, True
-
-    def _fix_surrogates(self, text: str, path: Path, lineno: int) -> str:
-        """JSON escapes can encode lone surrogates ("\\ud800"), which are not valid UTF-8."""
-        try:
-            text.encode("utf-8")
-            return text
-        except UnicodeEncodeError:
-            if self.strict:
-                raise UserError(f"{path}:{lineno}: key '{self.text_key}' holds a lone surrogate "
-                                f"(invalid Unicode; drop --strict to replace it)") from None
-            fixed, n = _SURROGATE.subn("\ufffd", text)
-            self.stats.replaced_chars += n
-            return fixed
-
-    def _account(self, raw: bytes) -> None:
-        self.stats.bytes += len(raw)
-        self.stats.hasher.update(raw)
+                batch.progress = self.progress
+                yield batch
+                batch, chars = Batch(), 0
+        if batch.texts:
+            batch.progress = self.progress
+            yield batch
 
 
-def _cut_point(text: str, limit: int) -> int:
-    """Where to end a piece of at most `limit` chars: the last safe cut (see the module doc)."""
-    window = text[limit // 2:limit]
-    best = -1
-    for m in _GOOD_CUT.finditer(window):
-        best = m.end()
-    if best < 0:
-        nl = window.rfind("\n")
-        best = nl + 1 if nl >= 0 else len(window)
-    return limit // 2 + best
+@dataclass
+class Batch:
+    """Pieces for one tokenizer call: texts, is-last flags, and each last piece's Position."""
+
+    texts: list[str] = field(default_factory=list)
+    lasts: list[bool] = field(default_factory=list)
+    positions: list[Position | None] = field(default_factory=list)
+    progress: int = 0

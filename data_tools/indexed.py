@@ -28,6 +28,7 @@ import os
 import struct
 from array import array
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -73,17 +74,22 @@ class ShardWriter:
 
     Each document is one sequence (as Megatron's preprocess_data.py writes it without sentence
     splitting); the caller appends the end-of-document token itself. Only the per-document sizes
-    stay in memory (8 bytes a document).
+    stay in memory (8 bytes a document). `resume_sizes` reopens a shard a killed run left open:
+    its .bin is cut back to those documents and written on from there.
     """
 
-    def __init__(self, prefix: str | os.PathLike, dtype, code_convention: str = "deepspeed"):
+    def __init__(self, prefix: str | os.PathLike, dtype, code_convention: str = "deepspeed",
+                 *, resume_sizes: Sequence[int] | None = None):
         self.prefix = Path(prefix)
         self.dtype = np.dtype(dtype)
         self.code = dtype_code(self.dtype, code_convention)
-        self._bin = open(bin_path(prefix), "wb", buffering=_WRITE_BUFFER)
-        self._sizes = array("q")  # 8 bytes a document, not a Python int object each
+        self._sizes = array("q", () if resume_sizes is None else resume_sizes)  # 8 B a document
         self._open_size = 0
-        self.num_tokens = 0
+        self.num_tokens = sum(self._sizes)
+        if resume_sizes is None:
+            self._bin = open(bin_path(prefix), "wb", buffering=_WRITE_BUFFER)
+        else:
+            self._bin = _reopen(bin_path(prefix), self.num_tokens * self.dtype.itemsize)
 
     def add_document(self, tokens) -> None:
         self.add_tokens(tokens)
@@ -103,6 +109,17 @@ class ShardWriter:
     @property
     def num_documents(self) -> int:
         return len(self._sizes)
+
+    def sizes_from(self, first: int) -> bytes:
+        """Sizes of documents `first`... as little-endian int64 bytes (a resume's sidecar)."""
+        return np.asarray(self._sizes[first:], dtype="<i8").tobytes()
+
+    def flush(self) -> None:
+        """Everything written so far is on disk (a checkpoint of a resumable run)."""
+        if self._open_size:
+            raise ValueError(f"{self.prefix}: flush() inside a document")
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
 
     def finalize(self, fsync: bool = True) -> None:
         if self._open_size:
@@ -131,14 +148,33 @@ class ShardWriter:
             if fsync:
                 os.fsync(f.fileno())
 
-    def abort(self) -> None:
-        """Close and remove what was written (used when prepare fails, e.g. on a full disk)."""
+    def close(self) -> None:
+        """Stop writing without an index (a failed run); the .bin stays as far as it got."""
         try:
             self._bin.close()
         except OSError:
-            pass  # flushing the buffer failed (disk full): the file is removed anyway
+            pass  # flushing the buffer failed (disk full): the caller keeps or removes the file
+
+    def abort(self) -> None:
+        """Close and remove what was written."""
+        self.close()
         for p in (bin_path(self.prefix), idx_path(self.prefix)):
             p.unlink(missing_ok=True)
+
+
+def _reopen(path: Path, keep_bytes: int):
+    """`path` opened for appending after its first `keep_bytes` bytes (the rest is dropped)."""
+    f = open(path, "r+b", buffering=_WRITE_BUFFER)
+    try:
+        size = os.fstat(f.fileno()).st_size
+        if size < keep_bytes:
+            raise FormatError(f"{path}: {size} bytes, expected at least {keep_bytes} (truncated)")
+        f.truncate(keep_bytes)
+        f.seek(keep_bytes)
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 class IndexedShard:
@@ -177,6 +213,7 @@ class IndexedShard:
         self.bin_bytes = bin_bytes
         self._idx_mm = None
         self._bin_mm = None
+        self.code = code
         self.dtype = self._resolve_dtype(code, ip)  # may read the sizes (code 8)
 
     def _resolve_dtype(self, code: int, ip: Path) -> np.dtype:
@@ -192,8 +229,9 @@ class IndexedShard:
                 return np.dtype(np.uint16)
             if total * 8 == self.bin_bytes:
                 return np.dtype(np.uint64)
-            raise FormatError(f"{ip}: dtype code 8 fits neither uint16 nor uint64 for the .bin "
-                              f"size")
+            raise FormatError(f"{bin_path(self.prefix)}: {self.bin_bytes} bytes, the index "
+                              f"holds {total} tokens (dtype code 8: 2 bytes each in Megatron-LM, "
+                              f"8 in DeepSpeed): truncated, or not this index's .bin")
         raise FormatError(f"{ip}: unknown dtype code {code}")
 
     # -- lazily opened memmaps (not pickled: each DataLoader worker maps its own) --------------

@@ -17,8 +17,6 @@ from data_tools import manifest as mf
 from data_tools.errors import UserError
 from data_tools.indexed import FormatError, IndexedShard
 
-_CHUNK = 8 << 20  # a multiple of every token size
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, help="dataset directory (holds dataset.json)")
@@ -100,7 +98,7 @@ def verify(d: Path, m: dict[str, Any], show_progress: bool = True) -> list[str]:
                                 f"or replaced)")
                 continue
             scan = dtype if is_shard and rel.endswith(".bin") else None
-            digest, max_id = _hash_and_max(path, scan, bar)
+            digest, min_id, max_id = mf.checksum_and_range(path, scan, progress=bar.update)
             if digest != checksum:
                 problems.append(f"{where}: checksum mismatch (corrupt): {digest}, dataset.json "
                                 f"says {checksum}")
@@ -108,6 +106,8 @@ def verify(d: Path, m: dict[str, Any], show_progress: bool = True) -> list[str]:
             if max_id is not None and max_id >= vocab:
                 problems.append(f"{where}: token id {max_id} is not below the vocabulary size "
                                 f"{vocab}")
+            elif min_id is not None and min_id < 0:
+                problems.append(f"{where}: negative token id {min_id}")
     for split in m["splits"].values():
         for s in split["shards"]:
             problems += _check_shard(d, s, dtype)
@@ -122,21 +122,6 @@ def verify(d: Path, m: dict[str, Any], show_progress: bool = True) -> list[str]:
     return problems
 
 
-def _hash_and_max(path: Path, dtype: np.dtype | None, bar: tqdm) -> tuple[str, int | None]:
-    """One read: the file's checksum and, for a .bin, its largest token id."""
-    h = mf.new_hasher()
-    max_id: int | None = None
-    with open(path, "rb", buffering=0) as f:
-        for chunk in mf.read_chunks(f, memoryview(bytearray(_CHUNK))):
-            h.update(chunk)
-            usable = len(chunk) - len(chunk) % dtype.itemsize if dtype is not None else 0
-            if usable:
-                chunk_max = int(np.frombuffer(chunk[:usable], dtype=dtype).max())
-                max_id = chunk_max if max_id is None else max(max_id, chunk_max)
-            bar.update(len(chunk))
-    return mf.format_digest(h), max_id
-
-
 def _check_shard(d: Path, s: dict[str, Any], dtype: np.dtype) -> list[str]:
     prefix = d / s["name"]
     try:
@@ -147,8 +132,9 @@ def _check_shard(d: Path, s: dict[str, Any], dtype: np.dtype) -> list[str]:
     out = []
     if shard.dtype != dtype:
         out.append(f"shard {s['name']}: dtype {shard.dtype}, dataset.json says {dtype}")
-    if "documents" in s and len(shard) != s["documents"]:
-        out.append(f"shard {s['name']}: {len(shard)} documents, dataset.json says {s['documents']}")
+    documents = max(shard.num_doc_idx - 1, 0)  # Megatron may split a document in sequences
+    if "documents" in s and documents != s["documents"]:
+        out.append(f"shard {s['name']}: {documents} documents, dataset.json says {s['documents']}")
     if "tokens" in s and shard.num_tokens != s["tokens"]:
         out.append(f"shard {s['name']}: {shard.num_tokens} tokens, dataset.json says {s['tokens']}")
     return out

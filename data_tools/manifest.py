@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Literal
+from typing import Any, BinaryIO, Callable, Iterator, Literal
+
+import numpy as np
 
 import xxhash
 
@@ -89,6 +91,30 @@ def file_checksum(path: str | os.PathLike, chunk: int = _CHUNK) -> str:
     return format_digest(h)
 
 
+def checksum_and_range(path: str | os.PathLike, dtype: np.dtype | None = None, *,
+                       copy_to: BinaryIO | None = None,
+                       progress: Callable[[int], Any] | None = None
+                       ) -> tuple[str, int | None, int | None]:
+    """One read of `path`: its checksum and, given a token dtype, its smallest and largest id
+    (None for an empty file). Each chunk is also written to `copy_to` (a copy made in the same
+    pass) and counted by `progress(n)`."""
+    h = new_hasher()
+    lo = hi = None
+    with open(path, "rb", buffering=0) as f:
+        for chunk in read_chunks(f, memoryview(bytearray(_CHUNK))):  # a multiple of every dtype
+            h.update(chunk)
+            if copy_to is not None:
+                copy_to.write(chunk)
+            usable = len(chunk) - len(chunk) % dtype.itemsize if dtype is not None else 0
+            if usable:
+                ids = np.frombuffer(chunk[:usable], dtype=dtype)
+                low, high = int(ids.min()), int(ids.max())
+                lo, hi = (low, high) if lo is None else (min(lo, low), max(hi, high))
+            if progress is not None:
+                progress(len(chunk))
+    return format_digest(h), lo, hi
+
+
 def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
     """Hash of tokenizer.json (the whole vocabulary, merges, normaliser and special tokens)."""
     path = Path(tokenizer_dir) / "tokenizer.json"
@@ -107,6 +133,25 @@ def dataset_fingerprint(manifest: dict[str, Any]) -> str:
             h.update(f"{split}/{shard['name']}/{shard['bin_checksum']}/{shard['idx_checksum']}"
                      .encode())
     return format_digest(h)
+
+
+def split_entry(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """A split of dataset.json: its shards and their totals."""
+    return {"documents": sum(s["documents"] for s in shards),
+            "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+
+
+def new_manifest(dtype: str, tokenizer_fields: dict[str, Any], splits: dict[str, Any],
+                 **extra: Any) -> dict[str, Any]:
+    """dataset.json of shards in `splits` (non-empty ones kept), with its fingerprint."""
+    splits = {name: split for name, split in splits.items() if split["shards"]}
+    m: dict[str, Any] = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype, **tokenizer_fields,
+        "checksum_algorithm": CHECKSUM_ALGORITHM, "splits": splits,
+        "documents": sum(s["documents"] for s in splits.values()),
+        "tokens": sum(s["tokens"] for s in splits.values()), **extra}
+    m["fingerprint"] = dataset_fingerprint(m)
+    return m
 
 
 def write_manifest(dataset_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:

@@ -138,6 +138,20 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, fsync: bool = Tr
             fsync_dir(path.parent)
 
 
+def append_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Append and fsync: a journal's record (a crash can leave only a torn last record, which
+    its reader drops); the directory is synced too when the file is new."""
+    path = Path(path)
+    with writing(path):
+        new = not path.exists()
+        with open(path, "ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if new:
+            fsync_dir(path.parent)
+
+
 def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = True) -> None:
     write_bytes_atomic(path, text.encode("utf-8"), fsync=fsync)
 
@@ -253,7 +267,9 @@ def share(directory: Path) -> None:
     files through temporary names, unreadable to the rest of a team)."""
     mask = umask()
     for p in directory.rglob("*"):
-        if not p.is_symlink():
+        # A hard link shares its mode with a file this command did not make (adopt links
+        # shards): leave it as its owner set it.
+        if not p.is_symlink() and (p.is_dir() or p.stat().st_nlink == 1):
             p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
 

@@ -33,14 +33,16 @@ _BATCH_CHARS = 1 << 20
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="files or directories (recursive) of .txt, .jsonl, .jsonl.gz")
+                   help="files or directories (recursive) of .txt, .jsonl(.gz/.zst), .json.gz, "
+                        ".parquet, .arrow, Hugging Face save_to_disk directories")
     p.add_argument("--out", required=True, type=Path, help="tokenizer directory to write")
     p.add_argument("--kind", choices=("wordpiece", "bpe"), default="wordpiece",
                    help="wordpiece (BERT, MLM; default) or byte-level bpe (GPT, CLM)")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--min-frequency", type=int, default=2,
                    help="a merge or word piece must occur this often")
-    p.add_argument("--text-key", default="text", help="JSONL key holding the text")
+    p.add_argument("--text-key", default="text",
+                   help="JSON key or Parquet/Arrow column holding the text")
     p.add_argument("--include", default=DEFAULT_INCLUDE,
                    help="comma-separated globs for directory walks; other patterns read as text")
     p.add_argument("--lowercase", action="store_true",
@@ -97,9 +99,9 @@ def train(corpus: Corpus, kind: str, vocab_size: int, min_frequency: int = 2,
     with tqdm(total=corpus.input_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               desc="reading corpus", dynamic_ncols=True) as bar:
         def texts() -> Iterator[list[str]]:  # the trainer takes an iterator of lists
-            for batch, _, read in corpus.batches(_BATCH_CHARS):
-                bar.update(read - bar.n)
-                yield batch
+            for batch in corpus.batches(_BATCH_CHARS):
+                bar.update(batch.progress - bar.n)
+                yield batch.texts
         tok.train_from_iterator(texts(), trainer=trainer)
     if corpus.stats.documents == 0:
         raise UserError(f"empty corpus: no documents in {len(corpus.files)} input file(s)")
@@ -139,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     save(wrap(tok, args.kind, max_len), out)
     s = corpus.stats
     replaced = f", {s.replaced_chars} invalid UTF-8 sequences replaced" if s.replaced_chars else ""
+    replaced += f", {s.empty_documents} empty documents skipped" if s.empty_documents else ""
     print(f"tokenizer: {args.kind}, vocabulary {tok.get_vocab_size(with_added_tokens=True)} "
           f"(asked {args.vocab_size}), trained on {s.documents} documents, {s.bytes / 1e6:.1f} MB "
           f"from {s.files} files{replaced} -> {out}")

@@ -120,6 +120,24 @@ class TokenizerInfo:
         files.setdefault("tokenizer.json", self.backend_json.encode("utf-8"))
         return files
 
+    @property
+    def fingerprint(self) -> str:
+        """What the dataset's copy hashes to (`manifest.tokenizer_fingerprint`)."""
+        h = mf.new_hasher()
+        h.update(self.files["tokenizer.json"])
+        return mf.format_digest(h)
+
+    def manifest_fields(self, dataset_dir: Path, files: list[dict[str, Any]]) -> dict[str, Any]:
+        """dataset.json's tokenizer half: vocabulary, special ids, and the entry of the copy in
+        `dataset_dir` (made by `copy_to`, listed as `files`)."""
+        return {"vocab_size": self.vocab_size, "eod_token_id": self.eod_token_id,
+                **self.special_ids, "special_token_ids": self.special_token_ids,
+                "model_max_length": self.model_max_length,
+                "tokenizer": {"dir": mf.TOKENIZER_DIR,
+                              "fingerprint": mf.tokenizer_fingerprint(dataset_dir /
+                                                                      mf.TOKENIZER_DIR),
+                              "kind": self.kind, "source": str(self.directory), "files": files}}
+
     def copy_to(self, dest: Path) -> list[dict[str, Any]]:
         """Write the tokenizer's files into the dataset (so it is self-contained); list them."""
         dest.mkdir(parents=True)

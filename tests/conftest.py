@@ -25,7 +25,7 @@ STDLIB_MODULES = ("argparse", "dataclasses", "typing", "pathlib", "shutil", "tex
                   "string", "tarfile", "inspect", "ast", "functools", "enum")
 
 
-PROGRESS_PREFIXES = ("reading corpus:", "prepare:", "verify:")
+PROGRESS_PREFIXES = ("reading corpus:", "prepare:", "verify:", "adopt:")
 
 
 @pytest.fixture

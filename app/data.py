@@ -146,19 +146,6 @@ class TokenWindows(Dataset):
             self._perm = Permutation(self.num_samples, self.spec.seed, epoch)
         return self._perm(offset)
 
-    def sample_indices(self, positions: np.ndarray) -> np.ndarray:
-        """`sample_index` of many positions at once (one vectorised permutation per epoch)."""
-        epochs, offsets = np.divmod(positions, self.num_samples)
-        if self.eval_order:
-            return offsets
-        out = np.empty_like(offsets)
-        for epoch in np.unique(epochs).tolist():
-            at = epochs == epoch
-            if self._perm is None or self._perm.epoch != epoch:
-                self._perm = Permutation(self.num_samples, self.spec.seed, epoch)
-            out[at] = self._perm.take(offsets[at])
-        return out
-
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
         """The sample at `position` (int64 tensors); for a corrupt one (ids past the vocabulary)
         `{"error": ...}`, which the loader raises as one line in the training process
@@ -177,7 +164,8 @@ class TokenWindows(Dataset):
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if positions.size and positions.min() < 0:
             raise IndexError(f"stream position {int(positions.min())} is negative")
-        indices = self.sample_indices(positions)
+        # one index at a time: for a micro batch, Python ints beat numpy's per-call overhead
+        indices = np.array([self.sample_index(p) for p in positions.tolist()], dtype=np.int64)
         seq_len = self.spec.seq_len
         ids = np.empty((positions.size, seq_len), dtype=np.int64)
         lengths = np.full(positions.size, seq_len, dtype=np.int64)

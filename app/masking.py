@@ -48,9 +48,14 @@ def sample_keys(seed: int, positions, stream: int = TRAIN_STREAM) -> np.ndarray:
 def uniforms(keys: np.ndarray, first: int, count: int) -> np.ndarray:
     """[len(keys), count] floats in [0, 1): outputs first..first+count-1 of each key's SplitMix64
     sequence (53 bits each)."""
-    steps = (np.arange(first + 1, first + count + 1, dtype=np.uint64) * np.uint64(GOLDEN))
-    bits = mix64_np(np.asarray(keys, dtype=np.uint64).reshape(-1, 1) + steps)
+    bits = _bits(np.asarray(keys, dtype=np.uint64).reshape(-1, 1),
+                 np.arange(first, first + count, dtype=np.uint64))
     return (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def _bits(keys: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """Output `steps` (0-based, broadcast against `keys`) of SplitMix64 seeded with each key."""
+    return mix64_np(keys + (steps + np.uint64(1)) * np.uint64(GOLDEN))
 
 
 class Masker:
@@ -109,14 +114,16 @@ class Masker:
         candidate = ~np.take(self._is_special, ids, mode="clip")
         candidate &= np.arange(seq) < np.asarray(lengths, dtype=np.int64).reshape(rows, 1)
         n = np.count_nonzero(candidate, axis=1)
-        u = uniforms(keys, 0, seq + 1)
-        count = np.where(n > 0, np.maximum(1, np.floor(self.mask_prob * n + u[:, seq])
+        bits = _bits(keys.reshape(rows, 1), np.arange(seq + 1, dtype=np.uint64))
+        u = (bits[:, seq] >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        count = np.where(n > 0, np.maximum(1, np.floor(self.mask_prob * n + u)
                                            .astype(np.int64)), 0)
         labels = np.full_like(ids, IGNORE_INDEX)
         most = int(count.max(initial=0))
         if most == 0:
             return ids, labels
-        rank = np.where(candidate, u[:, :seq], 2.0)  # distinct values: the selected set is unique
+        # the outputs' top 53 bits rank the candidates (distinct: the selected set is unique)
+        rank = np.where(candidate, bits[:, :seq] >> np.uint64(11), np.uint64(1 << 53))
         first = np.argpartition(rank, most - 1, axis=1)[:, :most] if most < seq else \
             np.broadcast_to(np.arange(seq), (rows, seq))
         first = np.take_along_axis(first, np.argsort(np.take_along_axis(rank, first, axis=1),
@@ -136,5 +143,5 @@ class Masker:
     @staticmethod
     def _uniform(keys: np.ndarray, steps: np.ndarray) -> np.ndarray:
         """Output `steps` of each key's SplitMix64 sequence, as floats in [0, 1) (as `uniforms`)."""
-        bits = mix64_np(keys + (steps.astype(np.uint64) + np.uint64(1)) * np.uint64(GOLDEN))
-        return (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+        return (_bits(keys, steps.astype(np.uint64)) >> np.uint64(11)).astype(np.float64) \
+            * 2.0 ** -53

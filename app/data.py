@@ -342,8 +342,8 @@ class BatchLayout:
         if "error" in batch:
             return batch["error"]
         columns = self.columns(batch)
-        return np.concatenate([columns[k].ravel() for k in self.keys]).astype(np.int32,
-                                                                             copy=False)
+        flat = np.concatenate([columns[k].ravel() for k in self.keys])
+        return flat.astype(np.int32, copy=False)
 
     def pack_pinned(self, samples: list[dict[str, torch.Tensor]]) -> torch.Tensor | str:
         """As `pack`, as an int64 tensor: DataLoader's pinning thread pins it off the training

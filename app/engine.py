@@ -123,15 +123,22 @@ def settle_precision(ds: dict[str, Any], requested: str, device: Device, where: 
 ZERO_SIZES = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
               "stage3_prefetch_bucket_size": 50_000_000,
               "stage3_param_persistence_threshold": 100_000}
+# ZeRO-3 keeps parameters below the persistence threshold whole on every rank (no gather for
+# them). Given the model's width, "auto" is 10 x hidden, as Hugging Face fills it: biases and
+# LayerNorm weights stay whole, every matrix is partitioned. DeepSpeed's fixed 1e5 keeps every
+# matrix of a width-128 model whole (bert-tiny: ZeRO-3 at 2 ranks then held 0.62x ZeRO-0's model
+# state, not ~0.5x; docs/benchmarks.md, "bench").
+PERSISTENCE_PER_HIDDEN = 10
 
 
 def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_size: int,
               precision: str, lr: float, betas: tuple[float, float], eps: float,
               weight_decay: float, pin_memory: bool, where: Path,
-              torch_adam: bool = False) -> dict[str, Any]:
+              torch_adam: bool = False, hidden_size: int | None = None) -> dict[str, Any]:
     """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill.
     `torch_adam` (Device.torch_adam) picks torch's AdamW over DeepSpeed's compiled one unless the
-    config says which, or offloads the optimizer (DeepSpeed's CPU Adam then)."""
+    config says which, or offloads the optimizer (DeepSpeed's CPU Adam then). `hidden_size`, the
+    model's width, sizes the ZeRO-3 persistence threshold (PERSISTENCE_PER_HIDDEN)."""
     ds = copy.deepcopy(ds)
     batch = {"train_micro_batch_size_per_gpu": micro_batch,
              "gradient_accumulation_steps": grad_accum,
@@ -153,7 +160,10 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     if (torch_adam and isinstance(opt, dict) and not offloaded
             and str(opt.get("type", "")).lower() in ("adam", "adamw")):
         opt["params"].setdefault("torch_adam", True)
-    for key, value in ZERO_SIZES.items():
+    sizes = dict(ZERO_SIZES)
+    if hidden_size:
+        sizes["stage3_param_persistence_threshold"] = PERSISTENCE_PER_HIDDEN * hidden_size
+    for key, value in sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
     for key in ("offload_optimizer", "offload_param"):

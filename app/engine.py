@@ -427,7 +427,21 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                            config=ds_config, lr_scheduler=scheduler)
     share_fp32_partitions(engine)
+    skip_lone_allreduce(engine)
     return engine
+
+
+def skip_lone_allreduce(engine) -> bool:
+    """ZeRO-0 in a world of one: no gradient all-reduce. DeepSpeed still flattens every gradient
+    into one buffer, multiplies it by 1/1, "all-reduces" it alone and copies it back: an
+    identity that cost GPT-2 4 x 256 (5 M parameters, CPU) ~3% of its step (docs/benchmarks.md,
+    "bench"). Returns whether it was skipped. ZeRO 1-3 keep their own reduction (it also moves
+    gradients into their partitions)."""
+    if engine.zero_optimization_stage() != 0 or engine.dp_world_size != 1 \
+            or getattr(engine, "has_moe_layers", False):
+        return False
+    engine.enable_backward_allreduce = False
+    return True
 
 
 def share_fp32_partitions(engine) -> int:

@@ -1,6 +1,6 @@
 """A benchmark sweep's results: each configuration's figures read from its run's metrics.jsonl
 (what telemetry recorded, nothing re-measured), the scaling efficiency across world sizes, and the
-files a sweep leaves: results.csv, results.md and the PNG plots (docs/benchmarks.md, "scaling").
+files a sweep leaves: results.csv, results.md and the PNG plots (docs/benchmarks.md, "bench").
 
 Warm-up is left out: the first log interval of a run (start-up, the allocator, the first batches,
 ZeRO-3's first trace) does not count when there are others. Per-interval figures are combined by

@@ -453,7 +453,7 @@ def share_fp32_partitions(engine) -> int:
     autocast case, where the two are aliases), but its test compares `tensor.device` with the
     accelerator's device name, a torch.device with a str, which is never equal in torch 2.x: fp32
     runs kept two identical copies (measured: model state at 2 ranks 0.625x ZeRO-0's instead of
-    0.5x; docs/benchmarks.md, "scaling"). Equal values, so nothing trained changes; DeepSpeed's
+    0.5x; docs/benchmarks.md, "bench"). Equal values, so nothing trained changes; DeepSpeed's
     copy of the master onto the partition after each step becomes a copy onto itself. Offloaded
     optimizers keep their own copies.
     """

@@ -51,7 +51,7 @@ def special_ids(manifest: dict) -> dict:
 
 def reference_loop(args, manifest: dict) -> dict:
     """A bare PyTorch loop: forward, backward, clip, AdamW step, LR schedule."""
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
     config = build_config(args.model, vocab_size=manifest["vocab_size"],
                           special_ids=special_ids(manifest),
                           overrides=parse_overrides(args.model_arg), dropout=args.dropout)

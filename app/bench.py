@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where results.csv, results.md, the plots and the runs go")
     p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
                    help=f"the values to sweep; keys: {', '.join(sweep.KEYS)} (defaults: world=1 "
-                        f"zero=0 model=bert-tiny, micro_batch and seq_len as app train; threads "
+                        f"zero=0 model=bert-tiny micro_batch=32, seq_len as app train; threads "
                         f"and workers per rank: what the most ranks per node leave each rank)")
     p.add_argument("--steps", type=int, default=20, metavar="N",
                    help="optimizer steps a configuration runs; the first log interval (a tenth "

@@ -54,7 +54,7 @@ def test_every_configuration_gets_what_the_most_ranks_per_node_leave_a_rank():
     pinned = expand({"world": [1, 2], "threads": [1, 2], "workers": [0]}, cores=2)
     assert len(pinned) == 4 and {c.workers for c in pinned} == {0}
     c = configs[1]
-    assert (c.micro_batch, c.seq_len, c.model) == (16, 128, "bert-tiny")  # app train's defaults
+    assert (c.micro_batch, c.seq_len, c.model) == (32, 128, "bert-tiny")  # 2x app train's batch
     assert c.train_flags()[:4] == ["--model", "bert-tiny", "--zero", "0"]
     assert c.launch_flags(None, 1234) == ["--procs-per-node", "2", "--master-port", "1234"]
 
@@ -107,7 +107,7 @@ def test_scaling_efficiency_is_per_device_throughput_against_the_smallest_world(
     assert rows[3]["status"] == "failed" and rows[3]["error"] == "boom"
     assert rows[3]["tokens_per_sec"] == ""
     md = bench_results.markdown(table, ["# sweep"])
-    assert md.count("\n| ") == 8 and "- world=1 zero=3 model=bert-tiny micro_batch=16: failed: " \
+    assert md.count("\n| ") == 8 and "- world=1 zero=3 model=bert-tiny micro_batch=32: failed: " \
         "boom" in md
     pictures = bench_results.plots(table, [])
     assert set(pictures) == set(bench_results.PLOTS)

@@ -1,4 +1,4 @@
-"""`python -m app COMMAND`: train | export | report | demo | plan | tune | convert."""
+"""`python -m app COMMAND`: train | export | report | demo | plan | tune | convert | bench."""
 from __future__ import annotations
 
 import sys
@@ -17,6 +17,8 @@ COMMANDS = {
     "tune": ("app.tune", "measure the largest micro batch and the loader workers on this machine"),
     "convert": ("app.convert",
                 "make a checkpoint loadable under another ZeRO stage and world size (offline)"),
+    "bench": ("app.bench", "the scaling sweep: tokens/s, step time, data wait, memory and "
+              "scaling efficiency against world size, ZeRO stage, model (results.csv, plots)"),
 }
 
 

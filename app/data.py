@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from app import packing
 from app.device import usable_cores
 from app.masking import (EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots,
-                         sample_rng)
+                         sample_keys)
 from app.mixture import Mixture
 from app.order import Permutation, check_batch_geometry, check_rank, eval_positions, \
     rank_positions
@@ -147,32 +147,46 @@ class TokenWindows(Dataset):
         return self._perm(offset)
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
-        """The sample at `position`; for a corrupt one (ids past the vocabulary) `{"error": ...}`,
-        which the loader raises as one line in the training process (app.data.BatchLayout)."""
-        position = int(position)
-        if position < 0:
-            raise IndexError(f"stream position {position} is negative")
-        index = self.sample_index(position)
-        seq_len = self.spec.seq_len
-        if self.spec.packing == "concat":
-            ids, length = packing.concat_sample(self.stream, index, seq_len)
-        else:
-            ids, length = packing.doc_sample(self.stream, index, seq_len, pad_id=self.pad_id,
-                                             eod_id=self.eod_id, cls_id=self.cls_id,
-                                             bert_layout=self.masker is not None)
-        if ids.max(initial=0) >= self.vocab_size:  # one vectorised check: rot found in training
-            return {"error": self._corrupt(ids, index, position)}
-        attention = np.zeros(seq_len, dtype=np.int64)
-        attention[:length] = 1
-        if self.masker is not None:
-            key = (index, EVAL_STREAM) if self.eval_order else (position, TRAIN_STREAM)
-            ids, labels = self.masker(ids, sample_rng(self.spec.seed, *key), length=length)
-        else:
-            labels = ids.copy()
-            labels[length:] = IGNORE_INDEX
-        return {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(attention),
-                "labels": torch.from_numpy(labels)}
+        """The sample at `position` (int64 tensors); for a corrupt one (ids past the vocabulary)
+        `{"error": ...}`, which the loader raises as one line in the training process
+        (app.data.BatchLayout)."""
+        batch = self.batch([position])
+        return batch if "error" in batch else {k: torch.from_numpy(v[0]) for k, v in batch.items()}
 
+    def __getitems__(self, positions: list[int]) -> dict[str, np.ndarray]:
+        """DataLoader's batched fetch: the micro batch at once (`batch`)."""
+        return self.batch(positions)
+
+    def batch(self, positions) -> dict[str, np.ndarray]:
+        """The samples at `positions` as [len, seq_len] int64 arrays (`input_ids`,
+        `attention_mask`, `labels`), MLM masking vectorised over them (row r is masked exactly
+        as that sample alone); `{"error": ...}` when one is corrupt."""
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if positions.size and positions.min() < 0:
+            raise IndexError(f"stream position {int(positions.min())} is negative")
+        # one index at a time: for a micro batch, Python ints beat numpy's per-call overhead
+        indices = np.array([self.sample_index(p) for p in positions.tolist()], dtype=np.int64)
+        seq_len = self.spec.seq_len
+        ids = np.empty((positions.size, seq_len), dtype=np.int64)
+        lengths = np.full(positions.size, seq_len, dtype=np.int64)
+        for row, index in enumerate(indices.tolist()):
+            if self.spec.packing == "concat":
+                ids[row], _ = packing.concat_sample(self.stream, index, seq_len)
+            else:
+                ids[row], lengths[row] = packing.doc_sample(
+                    self.stream, index, seq_len, pad_id=self.pad_id, eod_id=self.eod_id,
+                    cls_id=self.cls_id, bert_layout=self.masker is not None)
+        if ids.max(initial=0) >= self.vocab_size:  # one vectorised check: rot found in training
+            row = int(np.argmax((ids >= self.vocab_size).any(axis=1)))
+            return {"error": self._corrupt(ids[row], int(indices[row]), int(positions[row]))}
+        attention = (np.arange(seq_len) < lengths[:, None]).astype(np.int64)
+        if self.masker is not None:
+            keys = (sample_keys(self.spec.seed, indices, EVAL_STREAM) if self.eval_order
+                    else sample_keys(self.spec.seed, positions, TRAIN_STREAM))
+            ids, labels = self.masker.mask_batch(ids, lengths, keys)
+        else:
+            labels = np.where(attention == 1, ids, IGNORE_INDEX)
+        return {"input_ids": ids, "attention_mask": attention, "labels": labels}
 
     def _corrupt(self, ids: np.ndarray, index: int, position: int) -> str:
         at = int(np.argmax(ids >= self.vocab_size))
@@ -292,32 +306,44 @@ class BatchLayout:
             keys, widths = keys + ("attention_mask",), widths + (seq,)
         return cls(keys, widths)
 
-    def arrays(self, sample: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        """One sample (TokenWindows' full-length dict) in this layout."""
-        out = {k: sample[k].numpy() for k in ("input_ids", "labels", "attention_mask")}
+    def columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A micro batch of full-length [B, seq_len] arrays (TokenWindows.batch) in this layout:
+        for MLM each row's selected positions in order, then padding (position 0, label
+        IGNORE_INDEX)."""
+        out = {k: np.asarray(batch[k]) for k in ("input_ids", "labels", "attention_mask")}
         if "mlm_positions" in self.keys:
             labels = out.pop("labels")
-            chosen = np.flatnonzero(labels != IGNORE_INDEX)
             slots = self.widths[self.keys.index("mlm_positions")]
-            out["mlm_positions"] = np.zeros(slots, dtype=np.int64)
-            out["mlm_positions"][:chosen.size] = chosen
-            out["mlm_labels"] = np.full(slots, IGNORE_INDEX, dtype=np.int64)
-            out["mlm_labels"][:chosen.size] = labels[chosen]
+            r, c = np.nonzero(labels != IGNORE_INDEX)  # row-major: each row's positions in order
+            slot = np.arange(r.size) - np.searchsorted(r, r)  # rank within its row
+            out["mlm_positions"] = np.zeros((labels.shape[0], slots), dtype=np.int64)
+            out["mlm_positions"][r, slot] = c
+            out["mlm_labels"] = np.full((labels.shape[0], slots), IGNORE_INDEX, dtype=np.int64)
+            out["mlm_labels"][r, slot] = labels[r, c]
         return out
 
-    def pack(self, samples: list[dict[str, torch.Tensor]]) -> np.ndarray | str:
+    def pack(self, samples: list[dict[str, torch.Tensor]] | dict[str, np.ndarray]
+             ) -> np.ndarray | str:
         """Collate a micro batch into one flat int32 array: each key's [batch, width] block in
         turn. A worker hands over one small numpy array, pickled through its pipe: ~1 ms on CPU,
         where a tensor (a shared-memory file and a descriptor per storage) took ~2-3 ms
-        (docs/benchmarks.md, "loader"). Ids, positions and labels (-100) fit in int32. A corrupt
-        sample makes the batch its error message instead (raised by `unpack`, in the training
-        process: an exception raised in a worker would arrive wrapped in its traceback)."""
-        errors = [s["error"] for s in samples if "error" in s]
-        if errors:
-            return errors[0]
-        rows = [self.arrays(s) for s in samples]
-        return np.concatenate([np.stack([r[k] for r in rows]).ravel() for k in self.keys]
-                              ).astype(np.int32, copy=False)
+        (docs/benchmarks.md, "loader"). Ids, positions and labels (-100) fit in int32. `samples`
+        is a batch of arrays (TokenWindows' batched fetch) or a list of sample dicts (any other
+        dataset). A corrupt sample makes the batch its error message instead (raised by
+        `unpack`, in the training process: an exception raised in a worker would arrive wrapped
+        in its traceback)."""
+        if isinstance(samples, dict):
+            batch = samples
+        else:
+            errors = [s["error"] for s in samples if "error" in s]
+            batch = {"error": errors[0]} if errors else {
+                k: np.stack([s[k].numpy() for s in samples])
+                for k in ("input_ids", "labels", "attention_mask")}
+        if "error" in batch:
+            return batch["error"]
+        columns = self.columns(batch)
+        flat = np.concatenate([columns[k].ravel() for k in self.keys])
+        return flat.astype(np.int32, copy=False)
 
     def pack_pinned(self, samples: list[dict[str, torch.Tensor]]) -> torch.Tensor | str:
         """As `pack`, as an int64 tensor: DataLoader's pinning thread pins it off the training
@@ -418,3 +444,10 @@ class EvalPass(Dataset):
         if position >= self.total:
             sample["labels"] = torch.full_like(sample["labels"], IGNORE_INDEX)
         return sample
+
+    def __getitems__(self, positions: list[int]) -> dict[str, np.ndarray]:
+        positions = np.asarray(positions, dtype=np.int64)
+        batch = self.samples.batch(positions % self.total)
+        if "error" not in batch:
+            batch["labels"][positions >= self.total] = IGNORE_INDEX
+        return batch

@@ -139,6 +139,17 @@ def usable_cores() -> int:
     return cores or 1
 
 
+def cpu_busy_seconds() -> float | None:
+    """CPU seconds this host has spent busy since boot, over all its processes and every user
+    (/proc/stat: everything but idle and iowait); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def synchronize() -> None:
     """Wait for the accelerator's queued work (a no-op on CPU): before reading a clock that is to
     time it. A host sync: call it at log, eval and save boundaries only."""

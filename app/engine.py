@@ -123,15 +123,22 @@ def settle_precision(ds: dict[str, Any], requested: str, device: Device, where: 
 ZERO_SIZES = {"reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000,
               "stage3_prefetch_bucket_size": 50_000_000,
               "stage3_param_persistence_threshold": 100_000}
+# ZeRO-3 keeps parameters below the persistence threshold whole on every rank (no gather for
+# them). Given the model's width, "auto" is 10 x hidden, as Hugging Face fills it: biases and
+# LayerNorm weights stay whole, every matrix is partitioned. DeepSpeed's fixed 1e5 keeps every
+# matrix of a width-128 model whole (bert-tiny: ZeRO-3 at 2 ranks then held 0.62x ZeRO-0's model
+# state, not ~0.5x; docs/benchmarks.md, "bench").
+PERSISTENCE_PER_HIDDEN = 10
 
 
 def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_size: int,
               precision: str, lr: float, betas: tuple[float, float], eps: float,
               weight_decay: float, pin_memory: bool, where: Path,
-              torch_adam: bool = False) -> dict[str, Any]:
+              torch_adam: bool = False, hidden_size: int | None = None) -> dict[str, Any]:
     """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill.
     `torch_adam` (Device.torch_adam) picks torch's AdamW over DeepSpeed's compiled one unless the
-    config says which, or offloads the optimizer (DeepSpeed's CPU Adam then)."""
+    config says which, or offloads the optimizer (DeepSpeed's CPU Adam then). `hidden_size`, the
+    model's width, sizes the ZeRO-3 persistence threshold (PERSISTENCE_PER_HIDDEN)."""
     ds = copy.deepcopy(ds)
     batch = {"train_micro_batch_size_per_gpu": micro_batch,
              "gradient_accumulation_steps": grad_accum,
@@ -153,7 +160,10 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     if (torch_adam and isinstance(opt, dict) and not offloaded
             and str(opt.get("type", "")).lower() in ("adam", "adamw")):
         opt["params"].setdefault("torch_adam", True)
-    for key, value in ZERO_SIZES.items():
+    sizes = dict(ZERO_SIZES)
+    if hidden_size:
+        sizes["stage3_param_persistence_threshold"] = PERSISTENCE_PER_HIDDEN * hidden_size
+    for key, value in sizes.items():
         if zero.get(key) == "auto":
             zero[key] = value
     for key in ("offload_optimizer", "offload_param"):
@@ -416,7 +426,51 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                            config=ds_config, lr_scheduler=scheduler)
+    share_fp32_partitions(engine)
+    skip_lone_allreduce(engine)
     return engine
+
+
+def skip_lone_allreduce(engine) -> bool:
+    """ZeRO-0 in a world of one: no gradient all-reduce. DeepSpeed still flattens every gradient
+    into one buffer, multiplies it by 1/1, "all-reduces" it alone and copies it back: an
+    identity that cost GPT-2 4 x 256 (5 M parameters, CPU) ~3% of its step (docs/benchmarks.md,
+    "bench"). Returns whether it was skipped. ZeRO 1-3 keep their own reduction (it also moves
+    gradients into their partitions)."""
+    if engine.zero_optimization_stage() != 0 or engine.dp_world_size != 1 \
+            or getattr(engine, "has_moe_layers", False):
+        return False
+    engine.enable_backward_allreduce = False
+    return True
+
+
+def share_fp32_partitions(engine) -> int:
+    """ZeRO-3 with fp32 parameters: the optimizer's fp32 partitions become the parameters' own
+    partitions instead of a copy of them (4 bytes a parameter less, over the ranks). Returns the
+    bytes freed on this rank.
+
+    DeepSpeed skips the fp32 master copy when a partition is fp32 on the device already (its
+    autocast case, where the two are aliases), but its test compares `tensor.device` with the
+    accelerator's device name, a torch.device with a str, which is never equal in torch 2.x: fp32
+    runs kept two identical copies (measured: model state at 2 ranks 0.625x ZeRO-0's instead of
+    0.5x; docs/benchmarks.md, "bench"). Equal values, so nothing trained changes; DeepSpeed's
+    copy of the master onto the partition after each step becomes a copy onto itself. Offloaded
+    optimizers keep their own copies.
+    """
+    opt = engine.optimizer
+    masters = getattr(opt, "fp32_partitioned_groups_flat", None)
+    partitions = getattr(opt, "fp16_partitioned_groups_flat", None)
+    if not masters or not partitions or getattr(opt, "offload_optimizer", False):
+        return 0
+    freed = 0
+    for master, part in zip(masters, partitions):
+        if (part is not None and master.dtype == part.dtype and master.shape == part.shape
+                and master.device == part.device and master.numel() > 0
+                and master.untyped_storage().data_ptr() != part.untyped_storage().data_ptr()
+                and torch.equal(master, part)):
+            freed += master.untyped_storage().nbytes()
+            master.data = part.data
+    return freed
 
 
 def apply_lr_schedule(engine) -> None:
@@ -447,6 +501,41 @@ def grad_norm_before_step(engine) -> torch.Tensor | None:
     if not grads:
         return None
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+def model_state_bytes(engine) -> int:
+    """Bytes of model state this rank holds: parameters (at ZeRO-3 its partitions and the
+    persistent ones), gradients and optimizer states, counted once per tensor storage.
+
+    Walks the module's parameters and the optimizer chain (DeepSpeed's ZeRO wrapper, then the
+    torch optimizer inside it: flat buffers, partitions, `state`). Call between the boundary
+    micro step's backward and `engine.step()`, where gradients exist (the step frees them);
+    it reads tensor sizes only, no device sync. The ZeRO paper's model states, measured.
+    """
+    seen: dict[tuple[int, int], int] = {}
+
+    def add(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "meta":
+                return
+            storage = obj.untyped_storage()
+            if storage.data_ptr():
+                seen[(storage.data_ptr(), obj.device.index or 0)] = storage.nbytes()
+        elif depth > 0 and isinstance(obj, (list, tuple)):
+            for item in obj:
+                add(item, depth - 1)
+        elif depth > 0 and isinstance(obj, dict):
+            for item in obj.values():
+                add(item, depth - 1)
+
+    for p in engine.module.parameters():
+        for t in (p, p.grad, getattr(p, "ds_tensor", None)):
+            add(t, 0)
+    optimizer, hops = engine.optimizer, 0
+    while optimizer is not None and hops < 4:  # ZeRO wrapper -> torch optimizer
+        add(vars(optimizer), 4)
+        optimizer, hops = getattr(optimizer, "optimizer", None), hops + 1
+    return sum(seen.values())
 
 
 def reported_grad_norm(engine) -> float | None:

@@ -20,7 +20,8 @@ ZeRO-2 mixed is then 2P + 18P/N, DeepSpeed's figure exactly. For ZeRO-3 DeepSpee
 18P/N + 4 * largest_layer; we add the 16-bit gradient-accumulation partition it omits (2P/N,
 `grad_partitions_flat_buffer` in stage3.py) and count the gathered parameters under buffers.
 
-Buffers: ZeRO-0 flattens the gradients for the all-reduce (min(P, 5e8) elements); ZeRO-1/2 keep
+Buffers: ZeRO-0 flattens the gradients for the all-reduce (min(P, 5e8) elements; none in a world
+of one, where the app skips that all-reduce: app.engine.skip_lone_allreduce); ZeRO-1/2 keep
 reduce (x2 with overlap_comm) and all-gather buckets; ZeRO-3 keeps the gathered parameters
 (up to `stage3_max_live_parameters`, so with this repo's zero3.json the whole model of any
 model below 1e9 parameters), the gradients of one layer in flight, its reduce bucket and the
@@ -213,11 +214,12 @@ def zero3_working_set(live_params: int, largest_layer: int, weight_bytes: int) -
     return weight_bytes * (live_params + largest_layer)
 
 
-def buffer_bytes(setup: ZeroSetup, params: int, largest_layer: int, precision: str) -> int:
+def buffer_bytes(setup: ZeroSetup, params: int, largest_layer: int, precision: str,
+                 world: int = 2) -> int:
     """Communication buffers and ZeRO-3's gathered parameters (bytes per device)."""
     w = PRECISION_BYTES[precision]
     if setup.stage == 0:
-        return w * min(params, setup.allreduce_bucket)
+        return w * min(params, setup.allreduce_bucket) if world > 1 else 0
     if setup.stage in (1, 2):
         reduce = w * min(params, setup.reduce_bucket) * (2 if setup.overlap_comm else 1)
         return reduce + w * min(params, setup.allgather_bucket)
@@ -339,7 +341,7 @@ def plan_memory(shape: ModelShape, size: ModelSize, setup: ZeroSetup, work: Work
         buffers = zero3_working_set(min(p, max(setup.max_live_parameters, size.largest_layer)),
                                     size.largest_layer, w)
     else:
-        buffers = buffer_bytes(setup, p, size.largest_layer, work.precision)
+        buffers = buffer_bytes(setup, p, size.largest_layer, work.precision, work.world)
     act = activation_bytes(shape, work, device)
     transient = transient_bytes(shape, work)
     return MemoryPlan(

@@ -18,8 +18,8 @@ import numpy as np
 
 from data_tools.errors import UserError
 
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+M64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
 _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
 ROUNDS = 6  # Luby-Rackoff needs 4 for a pseudo-random permutation; 2 more mix small domains well
@@ -27,13 +27,13 @@ ROUNDS = 6  # Luby-Rackoff needs 4 for a pseudo-random permutation; 2 more mix s
 
 def mix64(z: int) -> int:
     """SplitMix64's finaliser on a Python int: a bijection of 64-bit words with full avalanche."""
-    z &= _M64
-    z = ((z ^ (z >> 30)) * _MUL1) & _M64
-    z = ((z ^ (z >> 27)) * _MUL2) & _M64
+    z &= M64
+    z = ((z ^ (z >> 30)) * _MUL1) & M64
+    z = ((z ^ (z >> 27)) * _MUL2) & M64
     return z ^ (z >> 31)
 
 
-def _mix64_np(z: np.ndarray) -> np.ndarray:
+def mix64_np(z: np.ndarray) -> np.ndarray:
     """`mix64` on a uint64 array (numpy array products wrap modulo 2^64, like the masked ints)."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(_MUL1)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(_MUL2)
@@ -42,8 +42,8 @@ def _mix64_np(z: np.ndarray) -> np.ndarray:
 
 def round_keys(seed: int, epoch: int, rounds: int = ROUNDS) -> tuple[int, ...]:
     """The Feistel round keys for (seed, epoch): distinct, well-mixed 64-bit words."""
-    state = mix64(mix64(seed & _M64) ^ ((epoch & _M64) * _GOLDEN & _M64))
-    return tuple(mix64(state + (i + 1) * _GOLDEN) for i in range(rounds))
+    state = mix64(mix64(seed & M64) ^ ((epoch & M64) * GOLDEN & M64))
+    return tuple(mix64(state + (i + 1) * GOLDEN) for i in range(rounds))
 
 
 class Permutation:
@@ -84,7 +84,7 @@ class Permutation:
         h, m = np.uint64(self.half_bits), np.uint64(self.half_mask)
         left, right = x >> h, x & m
         for k in self.keys:
-            left, right = right, left ^ (_mix64_np(right ^ np.uint64(k)) & m)
+            left, right = right, left ^ (mix64_np(right ^ np.uint64(k)) & m)
         return (left << h) | right
 
     def take(self, indices) -> np.ndarray:

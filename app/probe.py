@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -121,12 +122,26 @@ def last_train_record(path: Path) -> dict | None:
     return last
 
 
+# The cause of a failure, most telling first: the app's one-line error, launch.sh's, a hung rank,
+# then the last line of a Python traceback (`SomeError: ...`); other ranks' "lost a peer" and
+# the launchers' summaries come after them in the log and say less.
+CAUSES = (re.compile(r"python -m app \w+: error: "), re.compile(r"launch\.sh: error: "),
+          re.compile(r"rank \d+: no progress for "),
+          re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt)\b: "))
+RANK_TAG = re.compile(r"^\[node[0-9?]+ rank[0-9?]+\] ")
+
+
 def _failure(returncode: int, log_path: Path) -> str:
-    """Classify a failed probe from its exit status and log."""
+    """Classify a failed probe from its exit status and log: "out of memory", or "failed: " and
+    the line that names the cause (without launch.sh's rank tag)."""
     text = log_path.read_text(errors="replace")
     if any(m in text.lower() for m in OOM_MARKERS) or returncode in (-signal.SIGKILL, 137):
         return "out of memory"  # SIGKILL that we did not send: the kernel's OOM killer
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [RANK_TAG.sub("", ln.strip()) for ln in text.splitlines() if ln.strip()]
+    for cause in CAUSES:
+        found = [ln for ln in lines if cause.search(ln)]
+        if found:
+            return f"failed: {found[0]}"
     errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith("[20")]
     return f"failed: {(errors or lines or ['exit status %d' % returncode])[-1]}"
 
@@ -206,6 +221,39 @@ def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         pass
+
+
+def tagged_pids(name: str, value: str) -> list[int]:
+    """Live processes of this user whose environment holds NAME=VALUE: a run started with that
+    variable set is its launcher, ranks and loader workers, whatever process group each is in."""
+    needle = f"{name}={value}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                found = needle in f.read().split(b"\0")
+        except OSError:  # gone, or another user's
+            continue
+        stat = _stat(int(entry))
+        if found and stat and stat[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def kill_tagged(name: str, value: str, wait: float = 10.0) -> list[int]:
+    """SIGKILL every process `tagged_pids` finds and wait until they are gone; their pids."""
+    pids = tagged_pids(name, value)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and tagged_pids(name, value):
+        time.sleep(0.05)
+    return pids
 
 
 def free_port() -> int:

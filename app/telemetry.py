@@ -3,11 +3,12 @@ stragglers and memory (docs/design.md, "Metrics"). Pure functions: the trainer g
 row per rank at the log interval (the only cross-rank traffic of telemetry) and hands it here.
 
 Per rank, a window holds: its wall time, its time waiting for data, its forward time (device
-time, from accelerator events), and its memory. In synchronous data parallelism every rank's
-wall time is about the same (they wait for each other in the gradient reduction); what tells a
-straggler apart is where its time went: a starved loader shows as data wait, a slow device as a
-longer forward. `perf/slowest_rank` is the rank with the most of both: the one the others wait
-for.
+time, from accelerator events), its memory, and the model state it holds (parameters,
+gradients, optimizer states; measured at the window's last step). In synchronous data
+parallelism every rank's wall time is about the same (they wait for each other in the gradient
+reduction); what tells a straggler apart is where its time went: a starved loader shows as data
+wait, a slow device as a longer forward. `perf/slowest_rank` is the rank with the most of both:
+the one the others wait for.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 from app import hardware
 
 # the order of one rank's row in the gather
-ROW = ("wall", "data_wait", "forward", "mem", "mem_reserved", "mem_peak")
+ROW = ("wall", "data_wait", "forward", "mem", "mem_reserved", "mem_peak", "model_state")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class RunShape:
 
 def interval(rows: Sequence[Sequence[float]], steps: int, shape: RunShape) -> dict[str, Any]:
     """perf/ and sys/ figures of a window of `steps` optimizer steps; `rows[r]` is rank r's ROW."""
-    col = {name: [float(r[i]) for r in rows] for i, name in enumerate(ROW)}
+    col = {name: [float(r[i]) for r in rows] for i, name in enumerate(ROW[:len(rows[0])])}
     n, steps = len(rows), max(steps, 1)
     wall = max(sum(col["wall"]) / n, 1e-9)
     samples = steps * shape.global_batch
@@ -58,6 +59,8 @@ def interval(rows: Sequence[Sequence[float]], steps: int, shape: RunShape) -> di
            "perf/tflops_per_device": tflops,
            "sys/mem_gb": max(col["mem"]), "sys/mem_reserved_gb": max(col["mem_reserved"]),
            "sys/max_mem_gb": max(col["mem_peak"])}
+    if max(col.get("model_state", [0.0])) > 0:  # measured at the window's last step
+        out["sys/model_state_gb"] = max(col["model_state"])
     if shape.peak_tflops:
         out["perf/mfu"] = tflops / shape.peak_tflops
     return out

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from app import anomaly, checkpoint, faults, rundir, telemetry
 from app.device import ComputeClock, memory_gb, synchronize, to_device
 from app.engine import (World, all_reduce_sum, apply_lr_schedule, gather_rows,
-                        grad_norm_before_step, loss_scale, reported_grad_norm)
+                        grad_norm_before_step, loss_scale, model_state_bytes,
+                        reported_grad_norm)
 from app.masking import IGNORE_INDEX
 from app.metrics import MetricsLogger
 from app.order import skip_ahead
@@ -144,6 +145,7 @@ class Trainer:
             self.engine.backward(loss)
             if log_now and micro == self.grad_accum - 1:
                 self._grad_norm = grad_norm_before_step(self.engine)
+                self._state_bytes = model_state_bytes(self.engine)  # while gradients exist
             beat("in the optimizer step")
             self._optimizer_step()
             step_loss += loss.detach().float()  # stays on device: no sync per micro step
@@ -252,7 +254,8 @@ class Trainer:
         wall = self.window.elapsed()  # syncs the device first
         loss_sum = self._loss_sum.double().item()  # log-time host sync
         rows = gather_rows([loss_sum, float(self._micro_steps), wall, self.window.data_wait,
-                            self.window.forward_seconds(), *memory_gb()], self.device)
+                            self.window.forward_seconds(), *memory_gb(),
+                            self._state_bytes / 2**30], self.device)
         norm = (float(self._grad_norm) if self._grad_norm is not None
                 else reported_grad_norm(self.engine))
         record = {"step": s.step, "consumed_samples": s.consumed_samples,
@@ -341,6 +344,7 @@ class Trainer:
         self._micro_steps = 0
         self.window.restart(self.state.step)
         self._grad_norm = None
+        self._state_bytes = 0
         self._lr = 0.0
 
 

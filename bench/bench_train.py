@@ -11,6 +11,12 @@ alternate, `--repeats` times, and the medians are compared.
     python bench/bench_train.py --data runs/demo/dataset-wordpiece            # bert-tiny
     python bench/bench_train.py --data ... --model-arg hidden_size=256
         --model-arg num_hidden_layers=4   (one command)
+
+`--others hf,lightning --python VENV/bin/python` adds two more sides (each in its own process,
+under that interpreter, where `accelerate` and `lightning` are installed: they are not the
+project's dependencies): the Hugging Face Trainer with DeepSpeed ZeRO-0 (the same DeepSpeed
+config as the app's zero0.json, filled the same way) and a Lightning loop, on the same model,
+batches, optimizer, schedule and clipping; their step time from a callback around each step.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ def special_ids(manifest: dict) -> dict:
 
 def reference_loop(args, manifest: dict) -> dict:
     """A bare PyTorch loop: forward, backward, clip, AdamW step, LR schedule."""
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))))
     config = build_config(args.model, vocab_size=manifest["vocab_size"],
                           special_ids=special_ids(manifest),
                           overrides=parse_overrides(args.model_arg), dropout=args.dropout)
@@ -87,14 +93,126 @@ def reference_loop(args, manifest: dict) -> dict:
             "data_wait_pct": 100 * sum(waits[skip:]) / sum(step_times[skip:])}
 
 
-def reference_run(args) -> dict:
-    """The reference loop in a process of its own, so neither side shares a process with the
+def reference_run(args, side: str = "ref") -> dict:
+    """A non-app side in a process of its own, so neither side shares a process with the
     other's leftovers (loader workers, spinning OpenMP threads)."""
-    cmd = [sys.executable, __file__, "--reference-only", *sys.argv[1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    python = sys.executable if side == "ref" else str(args.python)
+    cmd = [python, __file__, "--side-only", side, *sys.argv[1:]]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if side == "hf":  # the Trainer's DeepSpeed needs a process group: a world of one
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(args.port + 1))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        sys.exit(f"reference loop failed:\n{proc.stderr[-3000:]}")
+        sys.exit(f"{side} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _model_and_batches(args, manifest: dict):
+    """The app's model and an iterator over the app's batches (as the reference loop builds)."""
+    config = build_config(args.model, vocab_size=manifest["vocab_size"],
+                          special_ids=special_ids(manifest),
+                          overrides=parse_overrides(args.model_arg), dropout=args.dropout)
+    model = build_model(config, seed=args.seed, for_training=True)
+    spec = DataSpec(args.data, "train", args.seq_len, args.objective, seed=args.seed)
+    loader = build_train_loader(spec, micro_batch=args.micro_batch, global_batch=args.micro_batch,
+                                dp_rank=0, dp_size=1, consumed_samples=0,
+                                num_workers=args.num_workers)
+    return model, loader
+
+
+class _Batches(torch.utils.data.IterableDataset):
+    """The app's micro batches as an iterable DataLoader source (batch_size=None)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+def _figures(step_times: list[float], waits: list[float] | None, skip: int) -> dict:
+    out = {"step_time_ms": 1000 * statistics.mean(step_times[skip:])}
+    if waits:
+        out["data_wait_pct"] = 100 * sum(waits[skip:]) / sum(step_times[skip:])
+    return out
+
+
+def hf_trainer_loop(args, manifest: dict) -> dict:
+    """transformers.Trainer with DeepSpeed ZeRO-0 (ds_configs/zero0.json, its "auto" fields
+    filled by the Trainer itself), AdamW from the config, the same schedule and clipping."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    model, loader = _model_and_batches(args, manifest)
+    ds = json.loads((REPO / "ds_configs" / "zero0.json").read_text())
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    class BatchTrainer(Trainer):  # the app's batches, as they come
+        def get_train_dataloader(self):
+            return torch.utils.data.DataLoader(_Batches(loader), batch_size=None)
+
+    with tempfile.TemporaryDirectory(prefix="bench-hf-") as tmp:
+        targs = TrainingArguments(
+            output_dir=tmp, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
+            learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
+            weight_decay=WEIGHT_DECAY, lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO},
+            warmup_steps=max(1, args.steps // 20),
+            max_grad_norm=1.0, logging_steps=args.log_every, report_to=[], save_strategy="no",
+            deepspeed=ds, use_cpu=True, dataloader_num_workers=0, seed=args.seed,
+            disable_tqdm=True)
+        BatchTrainer(model=model, args=targs, callbacks=[Clock()]).train()
+    return _figures(times, None, args.log_every)
+
+
+def lightning_loop(args, manifest: dict) -> dict:
+    """A Lightning loop: LightningModule.training_step, AdamW and the same LambdaLR schedule,
+    gradient_clip_val 1.0, CPU, no logger, checkpoints or progress bar."""
+    import lightning as L
+
+    model, loader = _model_and_batches(args, manifest)
+    times: list[float] = []
+    warmup = max(1, args.steps // 20)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, i):
+            loss = self.model(**batch).loss
+            if i % args.log_every == args.log_every - 1:
+                loss.item()  # a sync at log steps, as the app
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                    weight_decay=WEIGHT_DECAY)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule_fn(
+                warmup_steps=warmup, total_steps=args.steps, min_lr_ratio=MIN_LR_RATIO))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, i):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, i):
+            times.append(time.perf_counter() - self.t0)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps,
+                        gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Clock()], num_sanity_val_steps=0)
+    batches = torch.utils.data.DataLoader(_Batches(loader), batch_size=None)
+    trainer.fit(Module(), train_dataloaders=batches)
+    return _figures(times, None, args.log_every)
 
 
 def app_run(args) -> dict:
@@ -146,24 +264,27 @@ def main() -> None:
                    help="reference runs HF's BertForMaskedLM head on every position (shows what "
                         "the app's labelled-positions head saves; not the overhead comparison)")
     p.add_argument("--json", type=Path, help="also write the figures here")
-    p.add_argument("--reference-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--others", default="", help="more sides, comma-separated: hf, lightning")
+    p.add_argument("--python", type=Path, default=Path(sys.executable),
+                   help="interpreter for --others (with accelerate and lightning installed)")
+    p.add_argument("--side-only", help=argparse.SUPPRESS)
     args = p.parse_args()
     manifest = load_manifest(args.data)
-    if args.reference_only:
-        print(json.dumps(reference_loop(args, manifest)))
+    if args.side_only:
+        loops = {"ref": reference_loop, "hf": hf_trainer_loop, "lightning": lightning_loop}
+        print(json.dumps(loops[args.side_only](args, manifest)))
         return
 
-    ref, app = [], []
+    sides = ["ref", "app", *[o for o in args.others.split(",") if o]]
+    got: dict[str, list[dict]] = {side: [] for side in sides}
     for i in range(args.repeats):
-        order = (("ref", "app") if i % 2 == 0 else ("app", "ref"))
-        for side in order:
-            if side == "ref":
-                ref.append(reference_run(args))
-            else:
-                app.append(app_run(args))
-            last = (ref if side == "ref" else app)[-1]
-            print(f"repeat {i + 1} {side}: {last['step_time_ms']:.1f} ms/step, "
-                  f"data wait {last['data_wait_pct']:.2f}%", flush=True)
+        for side in (sides if i % 2 == 0 else sides[::-1]):
+            got[side].append(app_run(args) if side == "app" else reference_run(args, side))
+            last = got[side][-1]
+            print(f"repeat {i + 1} {side}: {last['step_time_ms']:.1f} ms/step"
+                  + (f", data wait {last['data_wait_pct']:.2f}%" if "data_wait_pct" in last
+                     else ""), flush=True)
+    ref, app = got["ref"], got["app"]
     ref_ms = statistics.median(r["step_time_ms"] for r in ref)
     app_ms = statistics.median(r["step_time_ms"] for r in app)
     result = {
@@ -177,6 +298,10 @@ def main() -> None:
         "app_data_wait_pct": round(statistics.median(r["data_wait_pct"] for r in app), 3),
         "reference_data_wait_pct": round(statistics.median(r["data_wait_pct"] for r in ref), 3),
     }
+    for side in sides[2:]:
+        ms = statistics.median(r["step_time_ms"] for r in got[side])
+        result[f"{side}_step_time_ms"] = round(ms, 2)
+        result[f"ratio_app_over_{side}"] = round(app_ms / ms, 3)  # < 1: the app is faster
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

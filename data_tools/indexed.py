@@ -271,7 +271,9 @@ class IndexedShard:
         if self._bin_mm is None:
             if self.bin_bytes == 0:
                 return np.zeros(0, dtype=self.dtype)
-            self._bin_mm = np.memmap(bin_path(self.prefix), dtype=self.dtype, mode="r")
+            # a plain ndarray over the map: slicing a np.memmap costs ~1.5 us more a sample
+            self._bin_mm = np.memmap(bin_path(self.prefix), dtype=self.dtype,
+                                     mode="r").view(np.ndarray)
         return self._bin_mm
 
     @property

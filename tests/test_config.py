@@ -38,6 +38,17 @@ def test_the_shipped_configs_are_all_there():
     assert any("fp16" in n for n in names)
 
 
+def test_zero3_persistence_threshold_follows_the_model_width():
+    path = CONFIG_DIR / "zero3.json"
+    raw = load_ds_config(path)
+    zero = fill(raw, path, hidden_size=128)["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == 1280  # a 128 x 128 matrix is partitioned
+    assert fill(raw, path)["zero_optimization"]["stage3_param_persistence_threshold"] == 100_000
+    raw["zero_optimization"]["stage3_param_persistence_threshold"] = 7  # a number is kept
+    assert fill(raw, path, hidden_size=128)["zero_optimization"][
+        "stage3_param_persistence_threshold"] == 7
+
+
 @pytest.mark.parametrize("path", DS_FILES, ids=lambda p: p.name)
 def test_every_ds_config_resolves_and_deepspeed_parses_it(path):
     raw = load_ds_config(path)

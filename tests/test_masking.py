@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.masking import EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, sample_rng
+from app.masking import EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, sample_keys, uniforms
 
 VOCAB = 1000
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4  # BERT's WordPiece order
@@ -30,7 +30,7 @@ def test_rates_are_15_percent_and_80_10_10():
     selected = candidates = to_mask = to_random = unchanged = 0
     for position in range(300):
         ids = bert_like_sample(data_rng)
-        out, labels = masker(ids, sample_rng(42, position))
+        out, labels = masker(ids, sample_keys(42, [position])[0])
         sel = labels != IGNORE_INDEX
         assert np.array_equal(labels[sel], ids[sel])
         candidates += int((~np.isin(ids, SPECIALS)).sum())
@@ -51,7 +51,7 @@ def test_unselected_positions_untouched_and_specials_never_selected_or_drawn():
     data_rng = np.random.default_rng(1)
     for position in range(200):
         ids = bert_like_sample(data_rng, 128)
-        out, labels = masker(ids, sample_rng(0, position))
+        out, labels = masker(ids, sample_keys(0, [position])[0])
         sel = labels != IGNORE_INDEX
         assert np.array_equal(out[~sel], ids[~sel])
         assert not np.isin(ids[sel], SPECIALS).any()
@@ -62,7 +62,7 @@ def test_unselected_positions_untouched_and_specials_never_selected_or_drawn():
 
 def test_random_tokens_cover_the_whole_non_special_vocabulary():
     masker = Masker(mask_token_id=7, vocab_size=20, special_ids=[0, 3, 19])
-    drawn = masker.random_tokens(np.random.default_rng(0), 20_000)
+    drawn = masker.random_tokens(np.random.default_rng(0).random(20_000))
     assert set(drawn.tolist()) == set(range(20)) - {0, 3, 7, 19}
     counts = np.bincount(drawn, minlength=20)[[i for i in range(20) if i not in (0, 3, 7, 19)]]
     assert counts.min() > 0.8 * counts.mean()
@@ -71,12 +71,13 @@ def test_random_tokens_cover_the_whole_non_special_vocabulary():
 def test_same_seed_and_position_give_the_same_masks():
     masker = make_masker()
     ids = bert_like_sample(np.random.default_rng(2))
-    a = masker(ids, sample_rng(5, 1234))
-    b = masker(ids.copy(), sample_rng(5, 1234))
+    a = masker(ids, sample_keys(5, [1234])[0])
+    b = masker(ids.copy(), sample_keys(5, [1234])[0])
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     # another position, seed or stream: other masks
-    for rng in (sample_rng(5, 1235), sample_rng(6, 1234), sample_rng(5, 1234, EVAL_STREAM)):
-        c = masker(ids, rng)
+    others = (sample_keys(5, [1235]), sample_keys(6, [1234]), sample_keys(5, [1234], EVAL_STREAM))
+    for (key,) in others:
+        c = masker(ids, key)
         assert not np.array_equal(a[1], c[1])
     assert TRAIN_STREAM != EVAL_STREAM
 
@@ -85,14 +86,14 @@ def test_input_is_not_modified():
     masker = make_masker()
     ids = bert_like_sample(np.random.default_rng(3))
     before = ids.copy()
-    masker(ids, sample_rng(0, 0))
+    masker(ids, sample_keys(0, [0])[0])
     assert np.array_equal(ids, before)
 
 
 def test_padding_beyond_length_never_selected():
     masker = make_masker(mask_prob=0.9)
     ids = np.arange(10, 74)  # no special ids at all
-    out, labels = masker(ids, sample_rng(0, 0), length=20)
+    out, labels = masker(ids, sample_keys(0, [0])[0], length=20)
     assert (labels[20:] == IGNORE_INDEX).all()
     assert np.array_equal(out[20:], ids[20:])
     assert (labels[:20] != IGNORE_INDEX).sum() >= 17
@@ -102,12 +103,12 @@ def test_tiny_sample_gets_at_least_one_masked_token():
     masker = make_masker()
     for position in range(50):
         ids = np.array([CLS, 17, SEP, PAD, PAD])
-        out, labels = masker(ids, sample_rng(0, position))
+        out, labels = masker(ids, sample_keys(0, [position])[0])
         assert labels.tolist() == [IGNORE_INDEX, 17, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
 
 
 def test_sample_of_only_specials_has_no_labels():
-    out, labels = make_masker()(np.array([CLS, SEP, PAD]), sample_rng(0, 0))
+    out, labels = make_masker()(np.array([CLS, SEP, PAD]), sample_keys(0, [0])[0])
     assert (labels == IGNORE_INDEX).all() and out.tolist() == [CLS, SEP, PAD]
 
 
@@ -118,3 +119,35 @@ def test_bad_settings_raise():
         make_masker(replace_mask=0.9, replace_random=0.2)
     with pytest.raises(ValueError):
         Masker(mask_token_id=0, vocab_size=2, special_ids=[1])
+
+
+def test_a_batch_masks_each_row_as_that_sample_alone():
+    """The loader masks a micro batch at once: which other samples share the batch (micro batch
+    size, ranks, workers) must not change a sample's masks."""
+    masker = make_masker()
+    rng = np.random.default_rng(3)
+    ids = np.stack([bert_like_sample(rng) for _ in range(6)])
+    lengths = np.array([ids.shape[1], 1, 40, ids.shape[1], 0, 77])
+    positions = np.array([0, 7, 8, 1 << 40, 3, 12345])
+    keys = sample_keys(9, positions)
+    out, labels = masker.mask_batch(ids, lengths, keys)
+    for r in range(len(ids)):
+        alone = masker(ids[r], sample_keys(9, [positions[r]])[0], length=lengths[r])
+        assert np.array_equal(out[r], alone[0]) and np.array_equal(labels[r], alone[1]), r
+    # reversed order, other batch: the same rows
+    back = masker.mask_batch(ids[::-1], lengths[::-1], keys[::-1])
+    assert np.array_equal(back[1][::-1], labels)
+    assert (labels[4] == IGNORE_INDEX).all() and (labels[1, 1:] == IGNORE_INDEX).all()
+
+
+def test_sample_keys_and_their_uniforms():
+    keys = sample_keys(1, np.arange(5000))
+    assert np.unique(keys).size == 5000  # a bijection of the position
+    assert not np.array_equal(sample_keys(1, [5]), sample_keys(2, [5]))
+    u = uniforms(keys, 0, 64)
+    assert u.min() >= 0 and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+    # neighbouring positions and neighbouring draws are not correlated
+    assert abs(np.corrcoef(u[:-1, 0], u[1:, 0])[0, 1]) < 0.05
+    assert abs(np.corrcoef(u[:, 0], u[:, 1])[0, 1]) < 0.05
+    assert np.array_equal(uniforms(keys[:3], 10, 4), u[:3, 10:14])

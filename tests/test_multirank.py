@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForMaskedLM
 
 from app.__main__ import main as app_main
-from tests.helpers import TINY, check, error_lines, launch, run_app, train_losses
+from tests.helpers import TINY, check, error_lines, launch, metrics, run_app, train_losses
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -43,6 +43,10 @@ def test_every_zero_stage_matches_zero0(zero_runs, stage):
         assert got[step] == pytest.approx(ref[step], rel=1e-5), (stage, step)
     config = json.loads((runs[stage] / "config.json").read_text())
     assert config["zero_stage"] == stage and config["environment"]["world_size"] == 2
+    if stage == 3:  # partitions shared with the optimizer's fp32 masters, matrices partitioned
+        state = {s: [m["sys/model_state_gb"] for m in metrics(runs[s])
+                     if "sys/model_state_gb" in m][-1] for s in (0, 3)}
+        assert state[3] <= 0.55 * state[0], state
     assert config["batch"]["global_batch"] == 16 and config["batch"]["grad_accum"] == 2
 
 

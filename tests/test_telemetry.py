@@ -40,6 +40,13 @@ def test_interval_figures_by_hand():
     assert "perf/mfu" not in telemetry.interval(rows, 4, shape(peak_tflops=None))
 
 
+def test_model_state_is_the_largest_ranks_when_measured():
+    rows = [[2.0, 0.1, 0.4, 1.0, 1.5, 2.0, 0.25], [2.2, 1.1, 0.5, 3.0, 3.5, 4.0, 0.5]]
+    assert telemetry.interval(rows, 4, shape())["sys/model_state_gb"] == 0.5
+    unmeasured = [r[:6] + [0.0] for r in rows]  # a window that did not end on a log step
+    assert "sys/model_state_gb" not in telemetry.interval(unmeasured, 4, shape())
+
+
 def test_peak_flops_come_from_the_table_by_the_drivers_name():
     assert telemetry.peak_tflops("NVIDIA H100 80GB HBM3", "bf16", tf32=False) == 989.5
     assert telemetry.peak_tflops("NVIDIA H100 PCIe", "bf16", tf32=False) == 756.5

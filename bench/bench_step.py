@@ -35,19 +35,15 @@ from app.device import detect  # noqa: E402
 from app.engine import init_distributed, world_from_env  # noqa: E402
 from app.train import build_engine, build_trainer, plan_run, run_shape  # noqa: E402
 from app.train_state import TrainState  # noqa: E402
-from bench.bench_train import BETAS, EPS, LR, MIN_LR_RATIO, WEIGHT_DECAY, _model_and_batches  # noqa: E402,E501
+from bench.bench_train import (BETAS, EPS, LR, MIN_LR_RATIO, WEIGHT_DECAY,  # noqa: E402
+                               _model_and_batches, model_arguments)
 from app.schedule import schedule_fn  # noqa: E402
 from data_tools.manifest import load_manifest  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", type=Path, required=True)
-    p.add_argument("--model", default="bert-tiny")
-    p.add_argument("--model-arg", action="append", default=[])
-    p.add_argument("--objective", default="mlm")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=16)
+    model_arguments(p)
     p.add_argument("--block", type=int, default=5, help="steps a turn")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--log-every", type=int, default=10)

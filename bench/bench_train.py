@@ -245,14 +245,19 @@ def app_run(args) -> dict:
                 / total}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags every step benchmark shares: data, model and batch geometry."""
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--model", default="bert-tiny")
     p.add_argument("--model-arg", action="append", default=[])
     p.add_argument("--objective", default="mlm")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=16)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(p)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--num-workers", type=int, default=default_num_workers())

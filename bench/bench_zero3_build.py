@@ -46,14 +46,15 @@ def _measure(build) -> dict[str, float]:
 
 
 def rank_main(model_name: str, build: str) -> None:
-    import deepspeed
     import torch
 
     from app.model import build_config, build_model, count_parameters
 
+    from app.device import detect
+    from app.engine import barrier, init_distributed, shutdown
+
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = deepspeed.comm.get_rank()
+    rank = init_distributed(detect()).rank
     config = build_config(model_name, vocab_size=30522, special_ids={"pad_token_id": 0},
                           overrides={}, dropout=0.0, attn_implementation="eager")
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
@@ -68,6 +69,8 @@ def rank_main(model_name: str, build: str) -> None:
     print("RESULT " + json.dumps({"rank": rank, "build": build,
                                   "parameters": count_parameters(holder["model"]), **result}),
           flush=True)
+    barrier()
+    shutdown()
 
 
 def launch(model: str, ranks: int, build: str) -> list[dict]:

@@ -164,8 +164,8 @@ def test_convert_bad_arguments_are_one_line(refs, tmp_path, argv, needle):
     assert not (tmp_path / "x").exists()
 
 
-def test_a_switch_that_cannot_be_honoured_is_one_line_before_the_run(refs, mlm_dataset,
-                                                                      tmp_path):
+def test_a_switch_that_cannot_be_honoured_is_one_line_before_the_run(
+        refs, mlm_dataset, tmp_path):
     out = tmp_path / "refused"
     proc = run_app("train", "--data", mlm_dataset, "--out", out, *BASE, "--zero", "0",
                    "--precision", "bf16", "--resume", tag_dir(refs(3, 1)))
@@ -191,8 +191,10 @@ def test_zero3_builds_the_model_partitioned_with_the_same_weights(tmp_path):
     probe.write_text(f"""
 import sys, torch, deepspeed
 sys.path.insert(0, {str(REPO)!r})
-deepspeed.init_distributed(dist_backend="gloo")
+from app.device import detect
+from app.engine import barrier, init_distributed, shutdown
 from app.model import build_config, build_model
+init_distributed(detect())  # as app train joins (the shm buffer's name removed, ...)
 for name in ("bert-tiny", "gpt-tiny"):
     cfg = build_config(name, vocab_size=1000, special_ids={{"pad_token_id": 0}}, overrides={{}},
                        dropout=0.0, attn_implementation="eager")
@@ -205,7 +207,9 @@ for name in ("bert-tiny", "gpt-tiny"):
         got = m.state_dict()
         bad = [k for k in ref if not torch.equal(ref[k], got[k])]
     assert not bad, (name, bad[:3])
-print("same weights")
+print("same weights", flush=True)
+barrier()
+shutdown()  # a group left to interpreter exit can abort in gloo's threads
 """)
     launcher = shutil.which("deepspeed")
     proc = subprocess.run([launcher, "--num_gpus", "2", "--no_local_rank", "--master_port",

@@ -248,7 +248,7 @@ self="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]
 # Environment every rank inherits. Threads per rank: the node's cores shared by its ranks, unless
 # the user set it (torch otherwise starts one thread per core in every rank and they fight). When
 # the ranks per node are not known here (one per accelerator, counted by DeepSpeed), each rank
-# divides its cores by LOCAL_WORLD_SIZE itself (app/device.py, set_cpu_threads).
+# divides its cores by LOCAL_WORLD_SIZE itself (app/runtime/device.py, set_cpu_threads).
 cores=$(nproc 2>/dev/null || echo 1)
 ranks_here=${ppn:-${slots[0]:-}}
 if [ -z "${OMP_NUM_THREADS:-}" ] && [ -n "$ranks_here" ]; then
@@ -570,6 +570,6 @@ if [ "$multi" = 1 ] && [ "$launcher" = pdsh ]; then
     exit "$code"
   fi
 fi
-# 75: the ranks saved a checkpoint on the stop and want the same command again (app/preemption.py)
+# 75: the ranks saved a checkpoint on the stop and want the same command again (app/faults/preemption.py)
 [ "$stopping" = 0 ] || [ "$rc" = 0 ] || [ "$rc" = 75 ] || exit "$stop_status"
 exit "$rc"

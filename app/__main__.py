@@ -10,14 +10,14 @@ COMMANDS = {
     "train": ("app.train",
               "pretrain a model on a dataset directory (start with the deepspeed launcher)"),
     "export": ("app.export", "write a run's weights, config and tokenizer in Hugging Face format"),
-    "report": ("app.report", "print a run's summary and plot its curves (RUN_DIR/curves.png)"),
+    "report": ("app.telemetry.report", "print a run's summary and plot its curves (RUN_DIR/curves.png)"),
     "demo": ("app.demo",
              "the whole pipeline on Python's standard-library sources (the quickstart)"),
-    "plan": ("app.plan", "memory, batch and throughput per ZeRO stage before a run"),
-    "tune": ("app.tune", "measure the largest micro batch and the loader workers on this machine"),
-    "convert": ("app.convert",
+    "plan": ("app.plan.planner", "memory, batch and throughput per ZeRO stage before a run"),
+    "tune": ("app.plan.tune", "measure the largest micro batch and the loader workers on this machine"),
+    "convert": ("app.checkpoint.convert",
                 "make a checkpoint loadable under another ZeRO stage and world size (offline)"),
-    "bench": ("app.bench", "the scaling sweep: tokens/s, step time, data wait, memory and "
+    "bench": ("app.sweep.command", "the scaling sweep: tokens/s, step time, data wait, memory and "
               "scaling efficiency against world size, ZeRO stage, model (results.csv, plots)"),
 }
 

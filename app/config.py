@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from app.anomaly import Rules
-from app.sources import is_mixture_arg
+from app.faults.anomaly import Rules
+from app.data.sources import is_mixture_arg
 from data_tools.cli import config_flags, finite_float, flag
 from data_tools.errors import UserError
 
@@ -28,7 +28,7 @@ class TrainConfig:
 
     data: Path | list[str]
     """Dataset directory (dataset.json + shards), as written by `data_tools prepare`; or a
-    weighted mixture: WEIGHT:DIR ... or one MIXTURE.json (app/sources.py)."""
+    weighted mixture: WEIGHT:DIR ... or one MIXTURE.json (app/data/sources.py)."""
     out: Path
     """Run directory: config.json, metrics.jsonl, summary.json, checkpoints/, wandb/."""
     model: str | None = None
@@ -136,7 +136,7 @@ class TrainConfig:
     run_name: str | None = None
     """The run's name in wandb (default: the name of --out)."""
     peak_tflops: float | None = None
-    """The accelerator's dense peak TFLOP/s for MFU (default: from app/hardware.py's table)."""
+    """The accelerator's dense peak TFLOP/s for MFU (default: from app/telemetry/hardware.py's table)."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)

@@ -1,7 +1,7 @@
 """`python -m app export RUN_DIR --out DIR`: a run's weights, config and tokenizer in Hugging Face
 format (safetensors), loadable with `AutoModelForMaskedLM/CausalLM.from_pretrained(DIR)`.
 
-Weights come from the checkpoint as fp32 (app.checkpoint.consolidated_state_dict). The export is
+Weights come from the checkpoint as fp32 (app.checkpoint.store.consolidated_state_dict). The export is
 written to a temporary directory and renamed into place, so DIR is either complete or absent. When
 the run left its reference logits for the same step (app.reference), the exported model is
 checked against them before it is put in place.
@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from app import checkpoint, reference, rundir, universal
+from app import reference, rundir
+from app.checkpoint import store as checkpoint
+from app.checkpoint import universal
 from app.model import build_model, config_from_dict
 from data_tools import output
 from data_tools.errors import UserError
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     checkpoint.check_files(ckpt_dir / tag)
     model_cfg = rebuild_config(run_config, run_dir)
     model = build_model(model_cfg)
-    # the tag's own stage: a run that switched stage keeps checkpoints of each (app/universal.py)
+    # the tag's own stage: a run that switched stage keeps checkpoints of each (app/checkpoint/universal.py)
     stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
     state_dict = checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
     load_weights(model, state_dict, where=ckpt_dir / tag)

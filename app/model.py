@@ -18,7 +18,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
                           PreTrainedModel)
 from transformers.modeling_outputs import MaskedLMOutput
 
-from app.masking import IGNORE_INDEX
+from app.data.masking import IGNORE_INDEX
 from data_tools.errors import UserError
 
 
@@ -186,7 +186,7 @@ class SparseHeadBertForMaskedLM(BertForMaskedLM):
     The head (hidden x vocab per position) is most of a small BERT's step; MLM masks ~15% of
     positions, so this cuts a bert-tiny step about in half on CPU. The positions come as a
     fixed-width list per sample (`mlm_positions`, padded, with `mlm_labels` IGNORE_INDEX there;
-    app.data.BatchLayout): a gather with static shapes, no host sync. Same weights and the same
+    app.data.loader.BatchLayout): a gather with static shapes, no host sync. Same weights and the same
     loss (mean cross-entropy over the masked tokens); without positions it is BertForMaskedLM,
     and exports load as one.
     """

@@ -19,27 +19,32 @@ from typing import Any, Callable
 
 import torch
 
-from app import anomaly, checkpoint, faults, reference, rundir, telemetry, universal
+from app import reference, rundir
+from app.faults import anomaly
+from app.checkpoint import store as checkpoint
+from app.faults import injection as faults
+from app.telemetry import figures as telemetry
+from app.checkpoint import universal
 from app import config as config_mod
 from app.config import TrainConfig
-from app.device import (ComputeClock, Device, attention_implementation, detect, enable_tf32,
+from app.runtime.device import (ComputeClock, Device, attention_implementation, detect, enable_tf32,
                         set_cpu_threads)
-from app.engine import (World, adopt_launcher_env, barrier, engine_facts, fill_auto,
+from app.runtime.engine import (World, adopt_launcher_env, barrier, engine_facts, fill_auto,
                         init_distributed, initialize, load_ds_config, lost_peer,
                         settle_precision, shutdown, validate_ds_config, versions, world_from_env,
                         zero_config_path, zero_stage)
-from app.flops import ModelShape, flops_per_token, head_fraction
-from app.metrics import MetricsLogger, WandbSettings, wandb_mode
+from app.telemetry.flops import ModelShape, flops_per_token, head_fraction
+from app.telemetry.sinks import MetricsLogger, WandbSettings, wandb_mode
 from app.model import (build_config, build_model, count_parameters, max_positions,
                        optimizer_groups, parse_overrides, preset)
 from app.schedule import schedule_fn
-from app.train_state import TrainState
-from app.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
-from app.order import skip_ahead
-from app.preemption import StopRequests
-from app.sources import Source, Sources, read_sources
+from app.checkpoint.train_state import TrainState
+from app.checkpoint.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
+from app.data.order import skip_ahead
+from app.faults.preemption import StopRequests
+from app.data.sources import Source, Sources, read_sources
 from app.trainer import EvalSet, Guards, Schedule, Trainer
-from app.watchdog import Watchdog
+from app.faults.watchdog import Watchdog
 from data_tools import output
 from data_tools.errors import Stopped, UserError
 from data_tools.manifest import TOKENIZER_DIR, tokenizer_fingerprint
@@ -58,7 +63,7 @@ class Plan:
     device: Device
     world: World
     sources: Sources
-    """The dataset, or the datasets of a mixture, checked (app/sources.py)."""
+    """The dataset, or the datasets of a mixture, checked (app/data/sources.py)."""
     manifest: dict[str, Any]
     """The (first) dataset's manifest: vocabulary and special ids, shared by a mixture."""
     model_config: Any
@@ -183,7 +188,7 @@ def settle_data(cfg: TrainConfig, sources: Sources, objective: str,
                 is_main: bool) -> tuple[list[dict[str, Any]], tuple[int, ...]]:
     """(each dataset's train split figures, the datasets with a val split to evaluate on), from
     dataset.json."""
-    from app.data import DataSpec, dataset_stats  # the data side (loaders) of the app
+    from app.data.loader import DataSpec, dataset_stats  # the data side (loaders) of the app
 
     def stats(source: Source, split: str) -> dict[str, Any]:
         return dataset_stats(DataSpec(source.path, split, cfg.seq_len, objective, cfg.packing,
@@ -233,7 +238,7 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: s
 
 @dataclass(frozen=True)
 class Switch:
-    """How this run's layout relates to the checkpoint it resumes (app/universal.py)."""
+    """How this run's layout relates to the checkpoint it resumes (app/checkpoint/universal.py)."""
 
     saved: Layout | None
     now: Layout
@@ -512,7 +517,7 @@ def describe_data(plan: Plan, data_dirs: list[Path]) -> dict[str, Any]:
 
 
 def run_shape(plan: Plan, engine) -> telemetry.RunShape:
-    """What telemetry needs to turn times into throughput and MFU (docs: app/flops.py)."""
+    """What telemetry needs to turn times into throughput and MFU (docs: app/telemetry/flops.py)."""
     cfg = plan.cfg
     per_token = flops_per_token(ModelShape.from_config(plan.model_config), cfg.seq_len,
                                 head_fraction(plan.objective, cfg.mask_prob))
@@ -528,7 +533,7 @@ def build_trainer(plan: Plan, engine, world: World, data_dirs: Path | list[Path]
                   shape: telemetry.RunShape) -> Trainer:
     """The loop with its loaders (`data_dirs`: where each dataset is read from; one directory
     for one dataset), logger, schedule and guards."""
-    from app.data import (DataSpec, MixtureSpec, build_eval_loader, build_train_loader,
+    from app.data.loader import (DataSpec, MixtureSpec, build_eval_loader, build_train_loader,
                           default_num_workers)
 
     data_dirs = [data_dirs] if isinstance(data_dirs, Path) else data_dirs
@@ -584,7 +589,7 @@ def build_trainer(plan: Plan, engine, world: World, data_dirs: Path | list[Path]
 def build_guards(plan: Plan, world: World, state: TrainState, train_spec, engine) -> Guards:
     """The anomaly rules and monitor, the agreed stop signals, the watchdog, the skipped
     batches (every rank reads them: a resume skips them too)."""
-    from app.data import batch_samples
+    from app.data.loader import batch_samples
 
     cfg = plan.cfg
     rules = anomaly.Rules(policy=cfg.on_anomaly, window=cfg.spike_window, z=cfg.spike_z,

@@ -2,8 +2,8 @@
 calls (log, evaluate, save) at their intervals.
 
 The loop never imports DeepSpeed: it sees the engine as an `nn.Module` with backward/step, and
-uses app.engine for the handful of cross-rank reductions, only at log and eval intervals. Time is
-kept by app.timing, the state by app.train_state, the console and files by app.metrics.
+uses app.runtime.engine for the handful of cross-rank reductions, only at log and eval intervals. Time is
+kept by app.telemetry.timing, the state by app.checkpoint.train_state, the console and files by app.telemetry.sinks.
 """
 from __future__ import annotations
 
@@ -15,18 +15,22 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from app import anomaly, checkpoint, faults, rundir, telemetry
-from app.device import ComputeClock, memory_gb, synchronize, to_device
-from app.engine import (World, all_reduce_sum, apply_lr_schedule, gather_rows,
+from app import rundir
+from app.faults import anomaly
+from app.checkpoint import store as checkpoint
+from app.faults import injection as faults
+from app.telemetry import figures as telemetry
+from app.runtime.device import ComputeClock, memory_gb, synchronize, to_device
+from app.runtime.engine import (World, all_reduce_sum, apply_lr_schedule, gather_rows,
                         grad_norm_before_step, loss_scale, model_state_bytes,
                         reported_grad_norm)
-from app.masking import IGNORE_INDEX
-from app.metrics import MetricsLogger
-from app.order import skip_ahead
-from app.preemption import EXIT_PREEMPTED, StopRequests
-from app.timing import Window
-from app.train_state import TrainState
-from app.watchdog import Watchdog
+from app.data.masking import IGNORE_INDEX
+from app.telemetry.sinks import MetricsLogger
+from app.data.order import skip_ahead
+from app.faults.preemption import EXIT_PREEMPTED, StopRequests
+from app.telemetry.timing import Window
+from app.checkpoint.train_state import TrainState
+from app.faults.watchdog import Watchdog
 from data_tools.errors import Stopped
 
 
@@ -57,7 +61,7 @@ class Guards:
     skip: frozenset[int]
     """Global batches never trained on (app/rundir.py, skipped_batches.jsonl)."""
     describe_batch: Callable[[int], dict[str, list]]
-    """The sample ids of a global batch, and with a mixture their sources (app.data
+    """The sample ids of a global batch, and with a mixture their sources (app.data.loader
     .batch_samples), for the record of a skipped one."""
 
 

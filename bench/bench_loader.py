@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from app.data import DataSpec, build_train_loader, dataset_stats  # noqa: E402
+from app.data.loader import DataSpec, build_train_loader, dataset_stats  # noqa: E402
 from data_tools.indexed import ShardWriter  # noqa: E402
 from data_tools.manifest import file_checksum, write_manifest  # noqa: E402
 

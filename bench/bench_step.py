@@ -31,10 +31,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from app.config import TrainConfig  # noqa: E402
-from app.device import detect  # noqa: E402
-from app.engine import init_distributed, world_from_env  # noqa: E402
+from app.runtime.device import detect  # noqa: E402
+from app.runtime.engine import init_distributed, world_from_env  # noqa: E402
 from app.train import build_engine, build_trainer, plan_run, run_shape  # noqa: E402
-from app.train_state import TrainState  # noqa: E402
+from app.checkpoint.train_state import TrainState  # noqa: E402
 from bench.bench_train import (BETAS, EPS, LR, MIN_LR_RATIO, WEIGHT_DECAY,  # noqa: E402
                                _model_and_batches, model_arguments)
 from app.schedule import schedule_fn  # noqa: E402

@@ -50,8 +50,8 @@ def rank_main(model_name: str, build: str) -> None:
 
     from app.model import build_config, build_model, count_parameters
 
-    from app.device import detect
-    from app.engine import barrier, init_distributed, shutdown
+    from app.runtime.device import detect
+    from app.runtime.engine import barrier, init_distributed, shutdown
 
     torch.set_num_threads(1)
     rank = init_distributed(detect()).rank

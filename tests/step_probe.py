@@ -14,10 +14,10 @@ import sys
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.config import TrainConfig
-from app.device import detect
-from app.engine import init_distributed, world_from_env
+from app.runtime.device import detect
+from app.runtime.engine import init_distributed, world_from_env
 from app.train import build_engine, build_trainer, plan_run, run_shape
-from app.train_state import TrainState
+from app.checkpoint.train_state import TrainState
 
 # ops that wait for the device to hand a value to the host
 SYNCS = {"aten.nonzero", "aten.item", "aten._local_scalar_dense", "aten.is_nonzero",

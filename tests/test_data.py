@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from app.data import (BatchLayout, DataSpec, TokenWindows, build_eval_loader, build_train_loader,
+from app.data.loader import (BatchLayout, DataSpec, TokenWindows, build_eval_loader, build_train_loader,
                       dataset_stats, default_num_workers)
-from app.masking import IGNORE_INDEX
-from app.order import Permutation
+from app.data.masking import IGNORE_INDEX
+from app.data.order import Permutation
 from data_tools.errors import UserError
 from data_tools.indexed import ShardWriter, token_dtype
 from data_tools.manifest import (FORMAT, FORMAT_VERSION, file_checksum, load_manifest,
@@ -100,7 +100,7 @@ def full_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def in_layout(s: DataSpec, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """TokenWindows samples as the loader hands them to the model (app.data.BatchLayout)."""
+    """TokenWindows samples as the loader hands them to the model (app.data.loader.BatchLayout)."""
     layout = BatchLayout.of(s)
     return layout.unpack(layout.pack(samples))
 
@@ -431,7 +431,7 @@ def test_clm_loader_over_a_prepared_dataset_trains_a_real_gpt(clm_dataset):
 RANK_SCRIPT = '''
 import os, sys, itertools, torch
 sys.path.insert(0, {repo!r})
-from app.data import DataSpec, build_train_loader
+from app.data.loader import DataSpec, build_train_loader
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 spec = DataSpec({data!r}, "train", 16, "mlm", seed=3)
 loader = build_train_loader(spec, micro_batch=2, global_batch=8, dp_rank=rank, dp_size=world,

@@ -1,12 +1,12 @@
-"""FLOPs per token (app.flops) and the accelerator table (app.hardware): the MFU building blocks."""
+"""FLOPs per token (app.telemetry.flops) and the accelerator table (app.telemetry.hardware): the MFU building blocks."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import BertConfig
 
-from app import hardware
-from app.flops import ModelShape, flops_breakdown, flops_per_token, head_fraction, mfu
+from app.telemetry import hardware
+from app.telemetry.flops import ModelShape, flops_breakdown, flops_per_token, head_fraction, mfu
 from app.model import PRESETS, build_config, build_model
 from data_tools.errors import UserError
 

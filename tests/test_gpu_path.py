@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.device import Device, attention_implementation, set_cpu_threads
+from app.runtime.device import Device, attention_implementation, set_cpu_threads
 from app.model import build_config, build_model, optimizer_groups
 from app.trainer import token_sums
 from tests.helpers import REPO, TINY, check, clean_env, run_app
@@ -117,7 +117,7 @@ def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_allows(bf16_runs):
 
 def test_bf16_without_a_stage_defaults_to_zero1(mlm_dataset, tmp_path):
     from app.config import TrainConfig
-    from app.engine import World
+    from app.runtime.engine import World
     from app.train import plan_run
 
     cpu_bf16 = Device("cpu", "gloo", False, True, False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.masking import EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, sample_keys, uniforms
+from app.data.masking import EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, sample_keys, uniforms
 
 VOCAB = 1000
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4  # BERT's WordPiece order

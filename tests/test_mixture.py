@@ -1,5 +1,5 @@
-"""Weighted mixtures: the stream math (app/mixture.py, tested as math), the sources and their
-checks (app/sources.py), the mixed loader, and `app train --data W:DIR ...` on one rank and on
+"""Weighted mixtures: the stream math (app/data/mixture.py, tested as math), the sources and their
+checks (app/data/sources.py), the mixed loader, and `app train --data W:DIR ...` on one rank and on
 two (the real deepspeed launcher) with a resume between."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from app.__main__ import main as app_main
-from app.data import (DataSpec, MixedWindows, MixtureSpec, TokenWindows, batch_samples,
+from app.data.loader import (DataSpec, MixedWindows, MixtureSpec, TokenWindows, batch_samples,
                       build_train_loader, dataset_stats)
-from app.mixture import Mixture, quantise, source_seed
+from app.data.mixture import Mixture, quantise, source_seed
 from tests.conftest import run_data_tools
 from tests.helpers import TINY, check, launch, metrics, run_app, snapshot, train_losses
 

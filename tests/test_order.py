@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from app.order import (Permutation, check_batch_geometry, eval_positions, rank_positions,
+from app.data.order import (Permutation, check_batch_geometry, eval_positions, rank_positions,
                        rank_slice)
 from data_tools.errors import UserError
 

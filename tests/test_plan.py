@@ -1,4 +1,4 @@
-"""The memory planner (app.memory) and `app plan`: DeepSpeed's estimators, autograd's saved
+"""The memory planner (app.plan.memory) and `app plan`: DeepSpeed's estimators, autograd's saved
 tensors, and real runs on CPU are the references."""
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_me
                                                   estimate_zero2_model_states_mem_needs_all_cold)
 
 from app.__main__ import main
-from app.memory import (CPU, GiB, Workload, ZeroSetup, activation_bytes, calibrate_runtime,
+from app.plan.memory import (CPU, GiB, Workload, ZeroSetup, activation_bytes, calibrate_runtime,
                         host_bytes_per_node, max_micro_batch, model_state_bytes, plan_memory,
                         zero3_working_set)
 from app.model import PRESETS, build_config, build_model
-from app.plan import PlanRequest, describe_model, dropout_flags, make_plan, zero_setups
+from app.plan.planner import PlanRequest, describe_model, dropout_flags, make_plan, zero_setups
 from data_tools.manifest import load_manifest
 from tests.helpers import REPO, check, clean_env, launch, metrics
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app import telemetry
+from app.telemetry import figures as telemetry
 from tests.helpers import REPO, TINY, check, clean_env, metrics
 
 KEY = "0123456789abcdef0123456789abcdef01234567"

@@ -149,8 +149,8 @@ def test_plan_settles_the_run_before_any_process_group(mlm_dataset, tmp_path):
     import argparse
 
     from app.config import TrainConfig, add_arguments
-    from app.device import detect
-    from app.engine import World
+    from app.runtime.device import detect
+    from app.runtime.engine import World
     from app.train import plan_run
 
     parser = argparse.ArgumentParser()
@@ -172,7 +172,7 @@ def test_plan_settles_the_run_before_any_process_group(mlm_dataset, tmp_path):
 
 
 def test_resume_checks_geometry_but_lets_dropout_change(tmp_path):
-    from app.checkpoint import check_resumable
+    from app.checkpoint.store import check_resumable
     from data_tools.errors import UserError
 
     saved = {"dataset_fingerprint": "xxh3_128:aa",
@@ -188,7 +188,7 @@ def test_resume_checks_geometry_but_lets_dropout_change(tmp_path):
 
 
 def test_an_empty_or_foreign_latest_is_no_checkpoint(tmp_path):
-    from app.checkpoint import latest_tag
+    from app.checkpoint.store import latest_tag
 
     (tmp_path / "global_step7").mkdir()
     (tmp_path / "notes").mkdir()
@@ -200,7 +200,7 @@ def test_an_empty_or_foreign_latest_is_no_checkpoint(tmp_path):
 
 def test_resuming_an_older_tag_beside_later_ones_is_refused(tmp_path):
     # saving from step 110 next to an abandoned 200 and 300 would mix two histories
-    from app.checkpoint import tags_after
+    from app.checkpoint.store import tags_after
 
     for step in (100, 200, 300):
         (tmp_path / f"global_step{step}").mkdir()

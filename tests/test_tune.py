@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.probe import group_pids, kill_group, rank_pids, remove_shm_buffers, run_probe
-from app.tune import (SEARCH_TOLERANCE, fit_global_batch, next_micro_batch, pick_workers,
+from app.plan.probe import group_pids, kill_group, rank_pids, remove_shm_buffers, run_probe
+from app.plan.tune import (SEARCH_TOLERANCE, fit_global_batch, next_micro_batch, pick_workers,
                       train_flags)
 from tests.helpers import REPO, check, clean_env, metrics, run_app
 from tests.test_plan import run_fresh

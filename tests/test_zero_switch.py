@@ -1,4 +1,4 @@
-"""Switching ZeRO stage and world size mid-run (app/universal.py, app/convert.py), and ZeRO-3
+"""Switching ZeRO stage and world size mid-run (app/checkpoint/universal.py, app/checkpoint/convert.py), and ZeRO-3
 models built partitioned (app/model.py `_partitioned`). Real processes, the real launcher, fp32.
 
 A run under (stage a, W ranks) saves at step 4; the same run resumed from that checkpoint under
@@ -191,8 +191,8 @@ def test_zero3_builds_the_model_partitioned_with_the_same_weights(tmp_path):
     probe.write_text(f"""
 import sys, torch, deepspeed
 sys.path.insert(0, {str(REPO)!r})
-from app.device import detect
-from app.engine import barrier, init_distributed, shutdown
+from app.runtime.device import detect
+from app.runtime.engine import barrier, init_distributed, shutdown
 from app.model import build_config, build_model
 init_distributed(detect())  # as app train joins (the shm buffer's name removed, ...)
 for name in ("bert-tiny", "gpt-tiny"):

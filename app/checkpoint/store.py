@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from app import faults, universal
-from app.device import rng_state, set_rng_state
-from app.engine import any_rank, barrier, world_size
+from app.faults import injection as faults
+from app.checkpoint import universal
+from app.runtime.device import rng_state, set_rng_state
+from app.runtime.engine import any_rank, barrier, world_size
 from app.rundir import CHECKPOINTS
-from app.train_state import TrainStateFile
+from app.checkpoint.train_state import TrainStateFile
 from data_tools import output
 from data_tools.errors import UserError
 from data_tools.schema import read_json
@@ -238,7 +239,7 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
     """Load model, optimizer and scheduler states; return the train state. RNG: `restore_rng`.
 
     A checkpoint written in another layout (ZeRO stage, world size, precision, offload) is
-    loaded through its universal form (app/universal.py): converted once by rank 0, next to it.
+    loaded through its universal form (app/checkpoint/universal.py): converted once by rank 0, next to it.
     """
     tag_dir = ckpt_dir / tag
     if universal.is_universal(tag_dir):

@@ -59,7 +59,7 @@ class WandbSettings:
     """Where the rank-0 wandb run goes (`app train --wandb*`, `--run-name`)."""
 
     mode: str
-    """online, offline or disabled (app.metrics.wandb_mode)."""
+    """online, offline or disabled (app.telemetry.sinks.wandb_mode)."""
     project: str
     name: str
     group: str | None = None

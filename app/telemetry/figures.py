@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from app import hardware
+from app.telemetry import hardware
 
 # the order of one rank's row in the gather
 ROW = ("wall", "data_wait", "forward", "mem", "mem_reserved", "mem_peak", "model_state")
@@ -30,9 +30,9 @@ class RunShape:
     seq_len: int
     world_size: int
     flops_per_token: float
-    """Model FLOPs of a training token (forward and backward; app.flops)."""
+    """Model FLOPs of a training token (forward and backward; app.telemetry.flops)."""
     peak_tflops: float | None
-    """The accelerator's dense peak for the run's precision (app.hardware); None: no MFU."""
+    """The accelerator's dense peak for the run's precision (app.telemetry.hardware); None: no MFU."""
 
 
 def interval(rows: Sequence[Sequence[float]], steps: int, shape: RunShape) -> dict[str, Any]:
@@ -102,10 +102,10 @@ def banner(shape: RunShape, *, nodes: int, total_steps: int, device: str | None)
         peak = f"MFU against {shape.peak_tflops:,.0f} TFLOP/s a device ({device or 'given'})"
     else:
         peak = ("no MFU on CPU" if device is None else
-                f"no MFU: {device} is not in app/hardware.py's table (--peak-tflops)")
+                f"no MFU: {device} is not in app/telemetry/hardware.py's table (--peak-tflops)")
     return (f"run: {shape.world_size} rank(s) on {nodes} node(s); global batch "
             f"{shape.global_batch:,} samples = {tokens_per_step:,} tokens; "
-            f"{shape.flops_per_token / 1e9:,.3f} GFLOPs a token (app/flops.py); {total_steps:,} "
+            f"{shape.flops_per_token / 1e9:,.3f} GFLOPs a token (app/telemetry/flops.py); {total_steps:,} "
             f"steps = {total_steps * tokens_per_step:,} tokens to train; {peak}")
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from app import rundir
-from app.sweep import KEYS, Config
+from app.sweep.configs import KEYS, Config
 
 COLUMNS = ("world_size", "nodes", "procs_per_node", "zero", "model", "micro_batch", "seq_len",
            "workers", "threads", "status", "tokens_per_sec", "tokens_per_sec_per_device",
@@ -139,7 +139,7 @@ def markdown(table: list[dict[str, Any]], header: list[str]) -> str:
 
 def _series(table: list[dict[str, Any]], configs: list[Config]) -> dict[str, list[dict]]:
     """The rows that ran, by group, named by the keys that vary in the sweep (not the world)."""
-    from app.sweep import varying
+    from app.sweep.configs import varying
 
     keys = varying(configs) - {"world"}
     out: dict[str, list[dict]] = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.stream import TokenStream
+from app.data.stream import TokenStream
 from data_tools.errors import UserError
 
 PACKINGS = ("concat", "doc")

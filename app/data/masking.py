@@ -24,7 +24,7 @@ from typing import Iterable
 
 import numpy as np
 
-from app.order import GOLDEN, M64, mix64, mix64_np
+from app.data.order import GOLDEN, M64, mix64, mix64_np
 
 IGNORE_INDEX = -100  # the label of positions without loss (PyTorch's and Hugging Face's)
 TRAIN_STREAM = 0         # separates the random streams of training and eval samples

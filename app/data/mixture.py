@@ -1,5 +1,5 @@
 """A weighted mixture of datasets as one sample stream: which source, and which of its positions,
-a global stream position reads. Pure math, like app/order.py (docs/design.md, "Samples, order,
+a global stream position reads. Pure math, like app/data/order.py (docs/design.md, "Samples, order,
 resume", Mixtures).
 
 The weights are quantised to shares of a block of BLOCK positions (each source at least one).
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from app.order import mix64
+from app.data.order import mix64
 
 BLOCK = 1 << 16
 """Positions of one laid-out block: weights are kept to 1/65,536."""

@@ -1,10 +1,10 @@
 """The configurations of a benchmark sweep (`app bench --sweep world=1,2 zero=0,3 ...`): the
 items parsed and checked, their cartesian product, where each configuration's ranks go, and the
-`launch.sh` and `app train` flags that run it. Pure: app/bench.py runs what this describes.
+`launch.sh` and `app train` flags that run it. Pure: app/sweep/command.py runs what this describes.
 
 Resources per rank are the same in every configuration of a sweep: by default the CPU threads and
 loader workers that the configuration with the most ranks per node can give each of its ranks
-(the node's cores shared by its ranks, `app.data.default_num_workers`). A world of one is then
+(the node's cores shared by its ranks, `app.data.loader.default_num_workers`). A world of one is then
 not measured with the whole machine, and the scaling efficiency compares like with like: 2 ranks
 x 1 thread against 1 rank x 1 thread on a 2-core box. `threads=` and `workers=` override.
 """

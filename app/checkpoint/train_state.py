@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import Field
 
-from app.anomaly import Cooldown
-from app.order import skip_ahead
+from app.faults.anomaly import Cooldown
+from app.data.order import skip_ahead
 from data_tools.schema import NonNegativeInt, PositiveInt, Schema
 
 COUNTERS = ("step", "consumed_samples", "tokens_seen", "best_eval_loss")
@@ -28,7 +28,7 @@ class TrainState:
     tokens_seen: int = 0
     best_eval_loss: float | None = None
     cooldown: Cooldown = field(default_factory=Cooldown)
-    """The LR cool-down after a rollback (app.anomaly): part of the schedule, so it resumes."""
+    """The LR cool-down after a rollback (app.faults.anomaly): part of the schedule, so it resumes."""
     facts: dict[str, Any] = field(default_factory=dict)
     """What the run is (world_size, global_batch, dataset_fingerprint, model_config, run_config,
     ds_config): saved for checks, never loaded back."""

@@ -1,10 +1,10 @@
 """`python -m app bench --data DIR --out DIR --sweep world=1,2 zero=0,3 model=A,B --steps N`:
 the scaling sweep, the paper's Figure 1 for the machine or cluster at hand.
 
-Each configuration of the sweep (app/sweep.py: the cartesian product, one thread count and loader
+Each configuration of the sweep (app/sweep/configs.py: the cartesian product, one thread count and loader
 worker count per rank for all) is a short real `app train` started through `launch.sh`, so a
 sweep over nodes (`--hostfile`) runs exactly as training does. Its figures are read from the
-run's metrics.jsonl (app/bench_results.py); nothing is timed here.
+run's metrics.jsonl (app/sweep/results.py); nothing is timed here.
 
     OUT/sweep.json            what was asked (configurations, steps, data, train arguments)
     OUT/results/<config>.json one file a configuration, written atomically when it is done
@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import app
-from app import bench_results, sweep
+from app.sweep import results as bench_results
+from app.sweep import configs as sweep
 from app.config import TrainConfig
-from app.probe import free_port, kill_tagged, remove_shm_buffers, run_probe
-from app.sweep import Config
+from app.plan.probe import free_port, kill_tagged, remove_shm_buffers, run_probe
+from app.sweep.configs import Config
 from data_tools import output
 from data_tools.errors import Parser, UserError
 from data_tools.schema import read_json
@@ -102,8 +103,8 @@ def train_args(extra: list[str], data: Path) -> list[str]:
 
 def plan(args: argparse.Namespace) -> tuple[list[Config], dict[str, Any]]:
     """The configurations and the sweep's identity (sweep.json), every input checked."""
-    from app.data import default_num_workers
-    from app.device import usable_cores
+    from app.data.loader import default_num_workers
+    from app.runtime.device import usable_cores
     from data_tools.manifest import load_manifest
 
     if args.steps < 2:
@@ -242,7 +243,7 @@ class OtherLoad:
     it says which figures to trust: 2 ranks on 2 cores scale only when nothing else runs."""
 
     def __init__(self):
-        from app.device import cpu_busy_seconds
+        from app.runtime.device import cpu_busy_seconds
 
         self._busy = cpu_busy_seconds
         self.start = (time.monotonic(), cpu_busy_seconds(), self._children())
@@ -322,7 +323,7 @@ def header_lines(args: argparse.Namespace, identity: dict[str, Any]) -> list[str
                 if line.startswith("model name")), platform.machine())
     mem = next((int(line.split()[1]) / 2**20 for line in _read("/proc/meminfo").splitlines()
                 if line.startswith("MemTotal")), 0.0)
-    from app.device import usable_cores
+    from app.runtime.device import usable_cores
 
     return ["# Benchmark sweep", "",
             f"- command: `python -m app {shlex.join(sys.argv[1:])}`",
@@ -343,7 +344,7 @@ def _read(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.tune import interrupt_on_term
+    from app.plan.tune import interrupt_on_term
 
     if not LAUNCH.is_file():
         raise UserError(f"{LAUNCH}: launch.sh is not next to the app package (install the project "

@@ -1,8 +1,8 @@
 """`python -m app plan`: memory and throughput per ZeRO stage before a run.
 
-For ZeRO 0, 1, 2, 3 and 3 + offload: bytes per device by term (app.memory), the largest micro
-batch that fits, the global batch, tokens/s and step time at an assumed MFU (app.flops,
-app.hardware), days and cost to train the token budget, and which stage to pick. Formulas:
+For ZeRO 0, 1, 2, 3 and 3 + offload: bytes per device by term (app.plan.memory), the largest micro
+batch that fits, the global batch, tokens/s and step time at an assumed MFU (app.telemetry.flops,
+app.telemetry.hardware), days and cost to train the token budget, and which stage to pick. Formulas:
 docs/plan.md. Nothing is downloaded or allocated: the model is built on PyTorch's meta device to
 count its parameters.
 """
@@ -16,9 +16,9 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app import hardware
-from app.flops import ModelShape, flops_per_token, head_fraction
-from app.memory import (GPU, GiB, OPTIMIZER_STATE_BYTES, DeviceProfile, MemoryPlan, ModelSize,
+from app.telemetry import hardware
+from app.telemetry.flops import ModelShape, flops_per_token, head_fraction
+from app.plan.memory import (GPU, GiB, OPTIMIZER_STATE_BYTES, DeviceProfile, MemoryPlan, ModelSize,
                         Workload, ZeroSetup, max_micro_batch, plan_memory)
 from data_tools.errors import UserError
 
@@ -76,7 +76,7 @@ def dropout_flags(config: Any) -> tuple[bool, bool]:
 
 def zero_setups(hidden: int) -> list[ZeroSetup]:
     """ZeRO 0-3 and 3 + offload, with the buffer sizes of this repo's ds_configs/*.json."""
-    from app.engine import load_ds_config, zero_config_path
+    from app.runtime.engine import load_ds_config, zero_config_path
 
     out = []
     for stem, offload in SETUPS:
@@ -88,7 +88,7 @@ def zero_setups(hidden: int) -> list[ZeroSetup]:
 def setup_from_ds(ds: dict[str, Any], hidden: int, where: Any,
                   offload: bool | None = None) -> ZeroSetup:
     """The ZeroSetup a DeepSpeed config describes (its "auto" sizes filled as `app train` does)."""
-    from app.engine import fill_auto
+    from app.runtime.engine import fill_auto
 
     kwargs = dict(micro_batch=1, grad_accum=1, world_size=1, precision="bf16", lr=1e-3,
                   betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=False, where=where)
@@ -136,7 +136,7 @@ class PlanRequest:
     gpus_per_node: int | None = None
     """Devices per node (default: min(gpus, 8))."""
     gpu: str | None = None
-    """Accelerator name from app.hardware (memory and peak TFLOP/s)."""
+    """Accelerator name from app.telemetry.hardware (memory and peak TFLOP/s)."""
     gpu_mem_gb: float | None = None
     """Memory per device in GB (2^30 bytes); overrides the accelerator's."""
     peak_tflops: float | None = None
@@ -152,9 +152,9 @@ class PlanRequest:
     attn: str = "sdpa"
     """sdpa/flash_attention_2 (fused: no S x S scores) or eager."""
     runtime_gb: float | None = None
-    """Per-device runtime memory (CUDA context, NCCL); default app.memory.GPU's."""
+    """Per-device runtime memory (CUDA context, NCCL); default app.plan.memory.GPU's."""
     fragmentation: float | None = None
-    """Allowance on activations (default app.memory.GPU's)."""
+    """Allowance on activations (default app.plan.memory.GPU's)."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "grad_accum", "gpus"):

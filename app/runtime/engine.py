@@ -1,6 +1,6 @@
 """The DeepSpeed engine: its JSON config, process group, `initialize`, and cross-rank reductions.
 
-DeepSpeed is imported here, in app.checkpoint (its checkpoints) and in app.device (its accelerator
+DeepSpeed is imported here, in app.checkpoint.store (its checkpoints) and in app.runtime.device (its accelerator
 probe, the one place that asks about the hardware); the rest of the app sees an `nn.Module`. The
 ds_config owns ZeRO stage, precision and clipping; the app fills the "auto" fields from its flags
 and reads batch sizes back from the engine.
@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import torch
 
-from app.device import Device, bind, resolve_precision
+from app.runtime.device import Device, bind, resolve_precision
 from data_tools.errors import UserError
 from data_tools.manifest import read_json
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Training and eval samples from a dataset directory, and the loaders that feed them.
 
 A sample is made in three steps, each in its own module: the split's shards read as one token
-stream (app.stream), cut into samples by the packing (app.packing: "concat" windows across
-documents, or "doc", one document per sample), then, for MLM, masked (app.masking). Which sample a
-stream position reads is the order (app.order): a keyed permutation per epoch. A weighted mixture
-of datasets (MixtureSpec, MixedWindows) first picks the source and its own position (app.mixture),
+stream (app.data.stream), cut into samples by the packing (app.data.packing: "concat" windows across
+documents, or "doc", one document per sample), then, for MLM, masked (app.data.masking). Which sample a
+stream position reads is the order (app.data.order): a keyed permutation per epoch. A weighted mixture
+of datasets (MixtureSpec, MixedWindows) first picks the source and its own position (app.data.mixture),
 then reads that source like a lone dataset.
 
-Labels: MLM, see app.masking (IGNORE_INDEX off the selected positions); CLM, labels = input_ids
+Labels: MLM, see app.data.masking (IGNORE_INDEX off the selected positions); CLM, labels = input_ids
 (Hugging Face causal LMs shift internally) with IGNORE_INDEX on padding.
 """
 from __future__ import annotations
@@ -20,14 +20,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from app import packing
-from app.device import usable_cores
-from app.masking import (EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots,
+from app.data import packing
+from app.runtime.device import usable_cores
+from app.data.masking import (EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots,
                          sample_keys)
-from app.mixture import Mixture
-from app.order import Permutation, check_batch_geometry, check_rank, eval_positions, \
+from app.data.mixture import Mixture
+from app.data.order import Permutation, check_batch_geometry, check_rank, eval_positions, \
     rank_positions
-from app.stream import TokenStream
+from app.data.stream import TokenStream
 from data_tools.errors import UserError
 from data_tools.manifest import MANIFEST, load_manifest, special_ids
 
@@ -149,7 +149,7 @@ class TokenWindows(Dataset):
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
         """The sample at `position` (int64 tensors); for a corrupt one (ids past the vocabulary)
         `{"error": ...}`, which the loader raises as one line in the training process
-        (app.data.BatchLayout)."""
+        (app.data.loader.BatchLayout)."""
         batch = self.batch([position])
         return batch if "error" in batch else {k: torch.from_numpy(v[0]) for k, v in batch.items()}
 
@@ -199,7 +199,7 @@ class TokenWindows(Dataset):
 
 class MixedWindows(Dataset):
     """Map-style, like TokenWindows: stream position p -> (source s, its position k) by the
-    mixture (app.mixture), then source s's own TokenWindows at k (its order, epochs and masks,
+    mixture (app.data.mixture), then source s's own TokenWindows at k (its order, epochs and masks,
     keyed by its own seed). O(1) per sample: two table lookups before the source's read."""
 
     def __init__(self, spec: MixtureSpec):

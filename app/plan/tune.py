@@ -1,8 +1,8 @@
 """`python -m app tune <app train arguments>`: measure, on this machine, with real steps.
 
 1. The largest micro batch that runs for each requested ZeRO stage: a search over short real
-   runs (app.probe, one process group each, so an out-of-memory failure or a budget overrun
-   costs that probe only). The planner (app.memory) seeds it: the first probe runs micro batch
+   runs (app.plan.probe, one process group each, so an out-of-memory failure or a budget overrun
+   costs that probe only). The planner (app.plan.memory) seeds it: the first probe runs micro batch
    1 and calibrates the planner's runtime term, the second tries the planned maximum, then the
    search doubles or bisects until the gap is within ~6%.
 2. Then, at that micro batch, the smallest `--num-workers` whose data wait stays under 1% of
@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 
 from app import config as config_mod
 from app.config import TrainConfig
-from app.memory import CPU, GPU, GiB, ZeroSetup, Workload
-from app.probe import ProbeResult, free_port, remove_shm_buffers, run_probe
+from app.plan.memory import CPU, GPU, GiB, ZeroSetup, Workload
+from app.plan.probe import ProbeResult, free_port, remove_shm_buffers, run_probe
 from data_tools.errors import UserError
 
 try:  # data_tools.output after the data_tools reshape (main); data_tools.manifest before it
@@ -264,7 +264,7 @@ def search_workers(probe: Prober, cand: Candidate, best: Probe,
 def planner_guess(info, work: Workload, cpu: bool, budget: int):
     """A function (candidate, probe at micro batch 1) -> the planner's largest micro batch, with
     its runtime term calibrated on that probe (None when the planner cannot say)."""
-    from app.memory import calibrate_runtime, max_micro_batch, plan_memory
+    from app.plan.memory import calibrate_runtime, max_micro_batch, plan_memory
 
     def guess(cand: Candidate, first: ProbeResult) -> int | None:
         if info is None or first.peak_bytes is None:
@@ -447,8 +447,8 @@ def settings_from_args(args: argparse.Namespace, cpu: bool, model: str) -> TuneS
 
 def candidates(args: argparse.Namespace, settings: TuneSettings, hidden: int) -> list[Candidate]:
     """The setups to try: each --zero stage's ds_configs file, or the --ds-config file."""
-    from app.engine import load_ds_config, zero_config_path
-    from app.plan import setup_from_ds
+    from app.runtime.engine import load_ds_config, zero_config_path
+    from app.plan.planner import setup_from_ds
 
     if args.ds_config:
         path = Path(args.ds_config).resolve()
@@ -466,9 +466,9 @@ def candidates(args: argparse.Namespace, settings: TuneSettings, hidden: int) ->
 
 def planner_inputs(cfg: TrainConfig, ranks: int, cpu: bool):
     """(the model as the planner sees it, the workload of one rank) for the search's guess."""
-    from app.flops import head_fraction
+    from app.telemetry.flops import head_fraction
     from app.model import parse_overrides
-    from app.plan import describe_model, dropout_flags
+    from app.plan.planner import describe_model, dropout_flags
     from data_tools.manifest import load_manifest
 
     manifest = load_manifest(cfg.data)
@@ -527,7 +527,7 @@ def interrupt_on_term() -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.device import detect
+    from app.runtime.device import detect
 
     values = {k: v for k, v in vars(args).items() if k != "func"}
     stages = args.zero or (0,)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from app.mixture import MAX_SOURCES, Mixture, describe, source_seed
+from app.data.mixture import MAX_SOURCES, Mixture, describe, source_seed
 from data_tools.errors import UserError
 from data_tools.manifest import MANIFEST, format_digest, load_manifest, new_hasher
 from data_tools.schema import Schema, read_json

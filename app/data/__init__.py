@@ -1,0 +1,1 @@
+"""The data pipeline: token stream, packing, masking, sample order, sources, mixtures, loaders."""

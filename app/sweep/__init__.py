@@ -1,0 +1,1 @@
+"""`app bench`: the scaling sweep (its configurations, the command, results tables and plots)."""

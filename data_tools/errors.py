@@ -1,16 +1,22 @@
 """User-facing errors and the command-line dispatcher shared by `data_tools` and `app`.
 
 A problem the user can fix is one line on stderr (what, and where), exit status 2, no traceback.
-Tracebacks are for bugs.
+Tracebacks are for bugs. The wording of a full disk is here too, so that output.py (which turns
+failed writes into these errors) and run_cli (the last resort) say it alike.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Mapping, NoReturn, Sequence
 
 EXIT_USER_ERROR = 2
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class UserError(Exception):
@@ -24,6 +30,31 @@ class Stopped(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the filesystem holding `path` (or its nearest existing parent)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def mb(n: int | float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def disk_full_message(path: str | os.PathLike, needed: int | None = None) -> str:
+    free = free_bytes(path)
+    parts = [f"out of disk space writing {path}"]
+    if needed is not None:
+        parts.append(f"it needs about {mb(needed)}")
+    if free is not None:
+        parts.append(f"{mb(free)} free there")
+    return "; ".join(parts)
 
 
 class Parser(argparse.ArgumentParser):
@@ -64,7 +95,6 @@ def run_cli(prog: str, description: str, commands: Mapping[str, tuple[str, str]]
               flush=True)
         return e.code
     except OSError as e:  # the environment, not a bug: a full disk, a permission, a missing file
-        from data_tools.output import DISK_FULL, disk_full_message
         what = (disk_full_message(e.filename or "?") if e.errno in DISK_FULL
                 else f"{e.filename or 'a file'}: {e.strerror or e}")
         print(f"{prog} {args.command}: error: {what}", file=sys.stderr, flush=True)

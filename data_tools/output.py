@@ -24,38 +24,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from data_tools.errors import UserError
+# the disk-full wording lives in errors.py (run_cli words an unhandled full disk the same way);
+# checkpoint code reads it from here, with the rest of the write handling
+from data_tools.errors import DISK_FULL, UserError, disk_full_message, free_bytes
 
 MARKER = ".dspretrain.json"
-DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 # -- write errors ------------------------------------------------------------------------------
-
-def free_bytes(path: str | os.PathLike) -> int | None:
-    """Free bytes on the filesystem holding `path` (or its nearest existing parent)."""
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None
-
-
-def mb(n: int | float) -> str:
-    return f"{n / 1e6:,.1f} MB"
-
-
-def disk_full_message(path: str | os.PathLike, needed: int | None = None) -> str:
-    free = free_bytes(path)
-    parts = [f"out of disk space writing {path}"]
-    if needed is not None:
-        parts.append(f"it needs about {mb(needed)}")
-    if free is not None:
-        parts.append(f"{mb(free)} free there")
-    return "; ".join(parts)
-
 
 def write_error(e: BaseException, path: str | os.PathLike, needed: int | None = None
                 ) -> UserError | None:

@@ -12,8 +12,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from app.faults.anomaly import Rules
+from app.data.loader import OBJECTIVES
+from app.data.packing import PACKINGS
 from app.data.sources import is_mixture_arg
+from app.faults.anomaly import POLICIES, Rules
+from app.runtime.device import PRECISIONS
+from app.schedule import DECAYS
 from data_tools.cli import config_flags, finite_float, flag
 from data_tools.errors import UserError
 
@@ -67,9 +71,15 @@ class TrainConfig:
     lr_decay: str = "cosine"
     """cosine|linear|constant decay after warmup."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay, on the linear layers' matrices only (biases, norms and
+    embeddings are exempt: app/model.py optimizer_groups)."""
     beta1: float = 0.9
+    """AdamW's decay rate of the running mean of gradients."""
     beta2: float = 0.98
+    """AdamW's decay rate of the running mean of squared gradients (0.98 rather than 0.999:
+    RoBERTa's choice, for stability with large batches)."""
     eps: float = 1e-8
+    """AdamW's term added to the denominator, for numerical stability."""
     seed: int = 0
     """Seeds the weights, the sample order, the masks and dropout."""
     pad_vocab_to: int = 128
@@ -87,6 +97,8 @@ class TrainConfig:
     packing: str = "concat"
     """concat (windows across documents) or doc (one document per sample)."""
     mask_prob: float = 0.15
+    """mlm: the fraction of tokens chosen for prediction (80% of them masked, 10% random, 10%
+    kept)."""
     resume: str = "auto"
     """auto (latest checkpoint in RUN_DIR if any), never, or a checkpoint path."""
     overwrite: bool = False
@@ -129,6 +141,7 @@ class TrainConfig:
     wandb: str | None = None
     """online|offline|disabled (default: online with WANDB_API_KEY, else offline)."""
     wandb_project: str = "dspretrain"
+    """The wandb project the run is logged to."""
     wandb_group: str | None = None
     """Group the run with others in wandb (e.g. a sweep or the restarts of one experiment)."""
     wandb_tags: list[str] = field(default_factory=list)
@@ -136,7 +149,8 @@ class TrainConfig:
     run_name: str | None = None
     """The run's name in wandb (default: the name of --out)."""
     peak_tflops: float | None = None
-    """The accelerator's dense peak TFLOP/s for MFU (default: from app/telemetry/hardware.py's table)."""
+    """The accelerator's dense peak TFLOP/s for MFU (default: from app/telemetry/hardware.py's
+    table)."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -216,11 +230,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("data", nargs="+", required=True, metavar="DIR | WEIGHT:DIR")
     add("out", type=Path, required=True, metavar="RUN_DIR")
     add("model", metavar="PRESET")
-    add("objective", choices=("mlm", "clm"))
+    add("objective", choices=OBJECTIVES)
     add("model_arg", action="append", default=[], metavar="KEY=VALUE")
     add("ds_config", type=Path, metavar="FILE")
     add("zero", type=int, metavar="N")
-    add("precision", choices=("auto", "bf16", "fp16", "fp32"))
+    add("precision", choices=PRECISIONS)
     for name in ("seq_len", "micro_batch", "grad_accum", "global_batch", "max_steps",
                  "max_tokens", "stop_at_step", "warmup_steps", "seed", "save_every", "keep_last",
                  "eval_every", "eval_samples", "log_every", "num_workers", "pad_vocab_to"):
@@ -228,16 +242,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "eps", "dropout",
                  "mask_prob"):
         add(name, type=finite_float, metavar="F")
-    add("lr_decay", choices=("cosine", "linear", "constant"))
+    add("lr_decay", choices=DECAYS)
     add("gradient_checkpointing", action="store_true")
     add("compile", action="store_true")
     add("tf32", action="store_true")
     add("attn", choices=ATTENTION)
-    add("packing", choices=("concat", "doc"))
+    add("packing", choices=PACKINGS)
     add("resume", metavar="auto|never|PATH")
     add("overwrite", action="store_true")
     add("save_errors", choices=("stop", "skip"))
-    add("on_anomaly", choices=("rollback", "skip", "stop"))
+    add("on_anomaly", choices=POLICIES)
     for name in ("spike_z", "spike_rise", "cooldown_factor", "hang_timeout"):
         add(name, type=finite_float, metavar="F")
     for name in ("spike_window", "max_rollbacks", "cooldown_steps"):

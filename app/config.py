@@ -18,7 +18,7 @@ from app.data.sources import is_mixture_arg
 from app.faults.anomaly import POLICIES, Rules
 from app.runtime.device import PRECISIONS
 from app.schedule import DECAYS
-from data_tools.cli import config_flags, finite_float, flag
+from data_tools.cli import config_file, config_flags, finite_float, flag
 from data_tools.errors import UserError
 
 RESUME_MODES = ("auto", "never")
@@ -227,6 +227,7 @@ def _positive(name: str, value: int) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `app train` flags; defaults and help come from TrainConfig."""
     add = config_flags(parser, TrainConfig)
+    config_file(parser, TrainConfig, recorded="run")  # RUN_DIR/config.json's "run" section
     add("data", nargs="+", required=True, metavar="DIR | WEIGHT:DIR")
     add("out", type=Path, required=True, metavar="RUN_DIR")
     add("model", metavar="PRESET")

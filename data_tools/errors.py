@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Mapping, NoReturn, Sequence
 
+from data_tools.cli import config_defaults
+
 EXIT_USER_ERROR = 2
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -58,10 +60,16 @@ def disk_full_message(path: str | os.PathLike, needed: int | None = None) -> str
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (no usage dump) and exits 2."""
+    """argparse that reports a bad flag as one line (no usage dump) and exits 2, and reads a
+    `--config FILE` (data_tools/cli.py, ConfigFile) before the flags, which override it."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        with config_defaults(self, args):
+            return super().parse_known_args(args, namespace)
 
 
 def run_cli(prog: str, description: str, commands: Mapping[str, tuple[str, str]],

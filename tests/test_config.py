@@ -1,16 +1,26 @@
-"""Run config checks, and every ds_configs/*.json resolving into a config DeepSpeed accepts."""
+"""Run config checks, runs from a settings file (--config), and every ds_configs/*.json
+resolving into a config DeepSpeed accepts."""
 import argparse
 import json
+import os
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
+from app.__main__ import main as app_main
 from app.config import TrainConfig, add_arguments
-from app.runtime.device import Device, resolve_precision
+from app.data.loader import OBJECTIVES
+from app.data.packing import PACKINGS
+from app.faults.anomaly import POLICIES
+from app.runtime.device import PRECISIONS, Device, resolve_precision
 from app.runtime.engine import CONFIG_DIR, fill_auto, load_ds_config, settle_precision, zero_stage
+from app.schedule import DECAYS
 from app.train import batch_geometry
-from data_tools.errors import UserError
+from data_tools.cli import field_docs
+from data_tools.errors import Parser, UserError
+from tests.helpers import TINY, check, run_app, train_losses
 
 CPU = Device(name="cpu", backend="gloo", pin_memory=False, bf16_supported=True,
              fp16_supported=True)
@@ -214,3 +224,149 @@ def test_cpu_runs_take_torchs_adam_unless_the_optimizer_is_offloaded(path):
                                     torch_adam=GPU.torch_adam)["optimizer"]["params"]
     raw = dict(raw, optimizer={"type": "AdamW", "params": {"torch_adam": False}})
     assert fill(raw, path, "fp32", torch_adam=True)["optimizer"]["params"]["torch_adam"] is False
+
+
+# -- settings from a file (--config) -------------------------------------------------------------
+
+def from_file(tmp_path: Path, text: str, *argv: str, name: str = "run.yaml") -> TrainConfig:
+    """TrainConfig from `app train --config FILE ARGV`, FILE holding `text`, parsed as app does."""
+    path = tmp_path / name
+    path.write_text(text)
+    parser = Parser(prog="python -m app train")
+    add_arguments(parser)
+    return TrainConfig.from_args(parser.parse_args(["--config", str(path), *argv]))
+
+
+def test_a_yaml_file_gives_the_settings(tmp_path):
+    cfg = from_file(tmp_path, "# a run in git\ndata: ds\nout: runs/a\nmax_steps: 6\nlr: 1e-3\n"
+                    "compile: true\nprecision: fp32\nwandb_tags: [x, y]\nmodel_arg: [a=1]\n")
+    assert (cfg.data, cfg.out, cfg.max_steps, cfg.lr) == (Path("ds"), Path("runs/a"), 6, 1e-3)
+    assert cfg.compile is True and cfg.precision == "fp32" and cfg.wandb_tags == ["x", "y"]
+    assert cfg.seq_len == 128 and cfg.model_arg == ["a=1"]  # the rest: the flags' defaults
+    mix = from_file(tmp_path, "data: [0.7:a, 0.3:b]\nout: o\n")
+    assert mix.data == ["0.7:a", "0.3:b"]
+
+
+def test_flags_override_the_file_wherever_they_stand(tmp_path):
+    text = "data: ds\nout: runs/a\nmax_steps: 6\nwandb_tags: [x]\nmodel_arg: [a=1]\n"
+    cfg = from_file(tmp_path, text, "--max-steps", "4", "--out", "runs/b", "--wandb-tags", "z")
+    assert (cfg.max_steps, cfg.out, cfg.wandb_tags) == (4, Path("runs/b"), ["z"])
+    path = tmp_path / "run.yaml"
+    parser = Parser(prog="python -m app train")
+    add_arguments(parser)
+    before = parser.parse_args(["--max-steps", "4", "--config", str(path)])
+    assert before.max_steps == 4 and before.out == Path("runs/a")
+    # --model-arg adds to the file's KEY=VALUE list: a later KEY wins (app.model.parse_overrides)
+    assert from_file(tmp_path, text, "--model-arg", "a=2").model_arg == ["a=1", "a=2"]
+    with pytest.raises(SystemExit):  # the parser is as before: --data is required again
+        parser.parse_args(["--out", "o"])
+    assert from_file(tmp_path, "data: d\nout: o\nwandb_tags: []\n").wandb_tags == []
+
+
+def test_a_json_file_and_a_runs_config_json_repeat_the_settings(tmp_path):
+    argv = ["--data", "0.5:a", "0.5:b", "--out", "runs/x", "--model", "gpt-tiny",
+            "--objective", "clm", "--model-arg", "num_hidden_layers=2", "--zero", "1",
+            "--precision", "bf16", "--max-steps", "7", "--lr", "3e-4", "--dropout", "0",
+            "--tf32", "--packing", "doc", "--on-anomaly", "skip", "--stage-to", "/tmp/s",
+            "--wandb", "offline", "--wandb-tags", "a", "b", "--peak-tflops", "12.5"]
+    parser = Parser(prog="python -m app train")
+    add_arguments(parser)
+    cfg = TrainConfig.from_args(parser.parse_args(argv))
+    record = {"run": cfg.to_dict(), "model": {"preset": "gpt-tiny"}, "ds_config": {"a": 1},
+              "environment": {"world_size": 1}}  # what app/train.py describe_run writes
+    again = from_file(tmp_path, json.dumps(record, indent=1), name="config.json")
+    assert again.to_dict() == cfg.to_dict()
+    plain = from_file(tmp_path, json.dumps(cfg.to_dict()), "--out", "runs/y", name="run.json")
+    assert plain.to_dict() == {**cfg.to_dict(), "out": "runs/y"}
+
+
+@pytest.mark.parametrize("name,text,needles", [
+    ("run.yaml", "data: d\nout: o\nmax_stepz: 6\n", ["unknown setting 'max_stepz'",
+                                                      "did you mean max_steps?"]),
+    ("run.yaml", "data: d\nout: o\nseq-len: 6\n", ["'seq-len'", "did you mean seq_len?"]),
+    ("run.yaml", "data: d\nout: o\nmax_steps: six\n", ["max_steps: invalid int value: 'six'"]),
+    ("run.yaml", "data: d\nout: o\nmax_steps: 6.5\n", ["max_steps: invalid int value: 6.5"]),
+    ("run.yaml", "data: d\nout: o\nlr: .nan\n", ["lr: 'nan' is not a finite number"]),
+    ("run.yaml", "data: d\nout: o\nlr: fast\n", ["lr: invalid number: 'fast'"]),
+    ("run.yaml", "data: d\nout: o\nprecision: bf17\n", ["precision: invalid choice: 'bf17'",
+                                                         "auto, bf16, fp16, fp32"]),
+    ("run.yaml", "data: d\nout: o\nresume: no\n", ["resume: expected a value, not false"]),
+    ("run.yaml", "data: d\nout: o\ncompile: 1\n", ["compile: expected true or false"]),
+    ("run.yaml", "data: d\nout: o\nseed: [1, 2]\n", ["seed: expected one value, not a list"]),
+    ("run.yaml", "data: d\nout: o\nmax_steps: null\n", ["max_steps: expected a value"]),
+    ("run.yaml", "data: []\nout: o\n", ["data: expected at least one value"]),
+    ("run.yaml", "data: [d\nout: o\n", ["not valid YAML (line 2"]),
+    ("run.yaml", "- data\n- out\n", ["expected settings"]),
+    ("run.yaml", "", ["expected settings"]),
+    ("run.json", '{"data": "d",\n "out": "o",}', ["not valid JSON (line 2"]),
+    ("config.json", '{"run": {"data": "d", "out": "o", "zero": "one"}}', ["zero: invalid int"]),
+])
+def test_a_bad_file_is_one_line_naming_the_file_and_the_key(tmp_path, one_line_error, name,
+                                                            text, needles):
+    with pytest.raises(SystemExit) as exit_info:
+        from_file(tmp_path, text, name=name)
+    assert exit_info.value.code == 2
+    one_line_error(f"--config {tmp_path / name}: ", *needles)
+
+
+def test_a_file_that_cannot_be_read_is_one_line(tmp_path, one_line_error):
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # reading it would block forever
+    for path, needle in ((tmp_path / "missing.yaml", "No such file"), (tmp_path, "a directory"),
+                         (fifo, "not a regular file")):
+        parser = Parser(prog="python -m app train")
+        add_arguments(parser)
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(["--config", str(path)])
+        assert exit_info.value.code == 2
+        one_line_error(f"--config {path}: ", needle)
+
+
+def test_a_bad_file_writes_nothing(tmp_path, one_line_error):
+    bad = tmp_path / "run.yaml"
+    bad.write_text("data: d\nmax_steps: 0.5\n")
+    with pytest.raises(SystemExit) as exit_info:
+        app_main(["train", "--config", str(bad), "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    one_line_error("python -m app train: error: ", "max_steps")
+    assert sorted(os.listdir(tmp_path)) == ["run.yaml"]
+
+
+def test_config_is_never_silently_ignored(tmp_path, capsys):
+    """An abbreviated --config, or a parser that does not read files (plain argparse)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("data: d\nout: o\n")
+    for parser, argv in ((argparse.ArgumentParser(), ["--data", "d", "--out", "o", "--config"]),
+                         (Parser(prog="app train"), ["--conf"])):
+        add_arguments(parser)
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, str(path)])
+        assert "not read (spell the flag out: --config FILE)" in capsys.readouterr().err
+
+
+def test_choices_come_from_their_owners_and_every_field_has_help():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    choices = {a.dest: a.choices for a in parser._actions}
+    assert choices["objective"] is OBJECTIVES and choices["precision"] is PRECISIONS
+    assert choices["lr_decay"] is DECAYS and choices["packing"] is PACKINGS
+    assert choices["on_anomaly"] is POLICIES
+    names = {f.name for f in fields(TrainConfig)}
+    assert names <= set(choices), names - set(choices)  # every setting is a flag and a file key
+    assert set(field_docs(TrainConfig)) == names, names - set(field_docs(TrainConfig))
+
+
+@pytest.mark.slow
+def test_a_runs_config_json_trains_the_same_losses(mlm_dataset, tmp_path):
+    """`--config RUN/config.json --out NEW` repeats RUN: the same train/loss at every step."""
+    check(run_app("train", "--data", mlm_dataset, "--out", tmp_path / "orig", *TINY,
+                  "--model", "bert-tiny", "--max-steps", "6", "--log-every", "1", "--seed", "3",
+                  "--dropout", "0.1"))
+    check(run_app("train", "--config", tmp_path / "orig" / "config.json",
+                  "--out", tmp_path / "again"))
+    orig, again = train_losses(tmp_path / "orig"), train_losses(tmp_path / "again")
+    assert sorted(orig) == list(range(1, 7)) and len(set(orig.values())) == 6
+    assert again == orig
+    record = json.loads((tmp_path / "again" / "config.json").read_text())["run"]
+    assert record == {**json.loads((tmp_path / "orig" / "config.json").read_text())["run"],
+                      "out": str(tmp_path / "again")}

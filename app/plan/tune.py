@@ -369,8 +369,8 @@ class _Redefined:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`app train`'s flags (passed to every probe) with --out optional and --zero a list,
-    plus tune's own."""
-    config_mod.add_arguments(_Redefined(parser, {"--out", "--zero"}))
+    plus tune's own; no --config (a run's file would aim tune's --out at the run)."""
+    config_mod.add_arguments(_Redefined(parser, {"--out", "--zero", "--config"}))
     a = parser.add_argument
     a("--out", type=Path, metavar="DIR",
       help="where to write ds_config.json, train.args and tune.json (default runs/tune-MODEL)")

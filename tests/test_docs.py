@@ -1,8 +1,10 @@
 """The docs name the code as it is: docs/design.md's module map lists every module of app/ and
-data_tools/ by its path, and no doc names a module (by path or dotted name) that does not exist.
-Files only, no imports: a module moved or added without its row fails here, in milliseconds."""
+data_tools/ by its path, and no doc names a module path, a dotted module or a module's top-level
+name that does not exist. Files are read, nothing is imported: a module moved or added without
+its row fails here in milliseconds."""
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -25,23 +27,40 @@ def unnamed(text: str, paths: list[str]) -> list[str]:
     return [p for p in paths if not re.search(r"(?<![\w/.])" + re.escape(p) + r"(?!\w)", text)]
 
 
-def dotted_module_exists(name: str) -> bool:
-    """`app.data.loader.build_train_loader`: the packages then one module (or package); what
-    follows the module is its attribute, not checked here."""
-    here = ROOT
-    for part in name.split("."):
+def top_level_names(module: Path) -> set[str]:
+    """What a module defines or imports at its top level (read, not imported)."""
+    names = set()
+    for node in ast.parse(module.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def dotted_name_exists(name: str) -> bool:
+    """`app.data.loader.BatchLayout.pack`: packages, then a module, then a name it defines at
+    its top level (what follows that, an attribute of it, is not checked)."""
+    here, parts = ROOT, name.split(".")
+    for i, part in enumerate(parts):
         if (here / part / "__init__.py").is_file():
             here = here / part
-            continue
-        return (here / f"{part}.py").is_file() or here == ROOT / part
+        elif (here / f"{part}.py").is_file():
+            rest = parts[i + 1:]
+            return not rest or rest[0] in top_level_names(here / f"{part}.py")
+        else:
+            return False
     return True
 
 
 def dangling(text: str) -> list[str]:
-    """Module paths and dotted module names in `text` that name nothing in the repository."""
+    """Module paths and dotted names in `text` that name nothing in the repository."""
     paths = [p for p in PATH.findall(text) if not (ROOT / p).is_file()]
     names = [n.rstrip(".") for n in DOTTED.findall(text)]
-    return paths + [n for n in names if not dotted_module_exists(n)]
+    return paths + [n for n in names if not dotted_name_exists(n)]
 
 
 def test_design_names_every_module_by_path():
@@ -56,8 +75,10 @@ def test_docs_name_no_module_that_does_not_exist():
 
 
 def test_the_checks_tell_names_apart():
-    text = "see `app/data/loader.py` and app.runtime.engine.load_op, not xapp/data/order.py"
+    text = ("see `app/data/loader.py`, app.data.loader.BatchLayout.pack and app.data, "
+            "not xapp/data/order.py")
     assert unnamed(text, ["app/data/loader.py", "app/data/order.py"]) == ["app/data/order.py"]
     assert dangling(text) == []
-    assert dangling("app/checkpoint.py and app.checkpoint.load and app.nothing") == [
-        "app/checkpoint.py", "app.checkpoint.load", "app.nothing"]
+    assert dangling("app/checkpoint.py, app.checkpoint.load, app.nothing, app.data.loader._nope"
+                    ) == ["app/checkpoint.py", "app.checkpoint.load", "app.nothing",
+                          "app.data.loader._nope"]

@@ -51,7 +51,7 @@ def rank_main(model_name: str, build: str) -> None:
     from app.model import build_config, build_model, count_parameters
 
     from app.runtime.device import detect
-    from app.runtime.engine import barrier, init_distributed, shutdown
+    from app.runtime.dist import barrier, init_distributed, shutdown
 
     torch.set_num_threads(1)
     rank = init_distributed(detect()).rank

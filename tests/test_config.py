@@ -8,7 +8,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from app.config import TrainConfig, add_arguments
 from app.runtime.device import Device, resolve_precision
-from app.runtime.engine import CONFIG_DIR, fill_auto, load_ds_config, settle_precision, zero_stage
+from app.runtime.ds_config import CONFIG_DIR, fill_auto, load_ds_config, settle_precision, zero_stage
 from app.train import batch_geometry
 from data_tools.errors import UserError
 
@@ -195,7 +195,7 @@ def test_a_file_without_an_optimizer_gets_adamw_from_the_flags(tmp_path):
     ({}, (0, 1, 0, 1)),
 ])
 def test_ranks_come_from_torch_mpi_or_slurm_launchers(env, want):
-    from app.runtime.engine import adopt_launcher_env, world_from_env
+    from app.runtime.dist import adopt_launcher_env, world_from_env
 
     adopt_launcher_env(env)
     w = world_from_env(env)

@@ -1,5 +1,5 @@
 """Peak per-rank memory while building a model: unpartitioned (what ZeRO 0-2 build) against
-ZeRO-3's partitioned build (`deepspeed.zero.Init`, app/model.py `_partitioned`).
+ZeRO-3's partitioned build (`deepspeed.zero.Init`, app/runtime/zero3_init.py `partitioned`).
 
     python bench/bench_zero3_build.py --model bert-120m --ranks 2
 

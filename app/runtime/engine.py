@@ -2,8 +2,9 @@
 patches) and what the app reads back from a built engine.
 
 The ds_config (app.runtime.ds_config) owns ZeRO stage, precision and clipping; after
-`initialize` batch sizes, dtypes and the gradient norm are read from the engine here, so the
-loop sees an `nn.Module` with backward/step and never imports DeepSpeed.
+`initialize`, what DeepSpeed built (optimizer, dtypes), the gradient norm, the loss scale and the
+model-state bytes are read from the engine here, so the loop sees an `nn.Module` with
+backward/step and never imports DeepSpeed.
 """
 from __future__ import annotations
 

@@ -29,10 +29,11 @@ from app import config as config_mod
 from app.config import TrainConfig
 from app.runtime.device import (ComputeClock, Device, attention_implementation, detect, enable_tf32,
                         set_cpu_threads)
-from app.runtime.engine import (World, adopt_launcher_env, barrier, engine_facts, fill_auto,
-                        init_distributed, initialize, load_ds_config, lost_peer,
-                        settle_precision, shutdown, validate_ds_config, versions, world_from_env,
-                        zero_config_path, zero_stage)
+from app.runtime.dist import (World, adopt_launcher_env, barrier, init_distributed, lost_peer,
+                              shutdown, world_from_env)
+from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision,
+                                   validate_ds_config, zero_config_path, zero_stage)
+from app.runtime.engine import engine_facts, initialize, versions
 from app.telemetry.flops import ModelShape, flops_per_token, head_fraction
 from app.telemetry.sinks import MetricsLogger, WandbSettings, wandb_mode
 from app.model import (build_config, build_model, count_parameters, max_positions,
@@ -376,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     cfg = TrainConfig.from_args(args)
     device = detect()
-    threads = set_cpu_threads(device)
+    threads = set_cpu_threads()
     adopt_launcher_env()  # ranks from MPI/Slurm launchers, once, before anything reads them
     plan = plan_run(cfg, device, world_from_env())
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere

@@ -21,9 +21,9 @@ from app.checkpoint import store as checkpoint
 from app.faults import injection as faults
 from app.telemetry import figures as telemetry
 from app.runtime.device import ComputeClock, memory_gb, synchronize, to_device
-from app.runtime.engine import (World, all_reduce_sum, apply_lr_schedule, gather_rows,
-                        grad_norm_before_step, loss_scale, model_state_bytes,
-                        reported_grad_norm)
+from app.runtime.dist import World, all_reduce_sum, gather_rows
+from app.runtime.engine import (apply_lr_schedule, grad_norm_before_step, loss_scale,
+                                model_state_bytes, reported_grad_norm)
 from app.data.masking import IGNORE_INDEX
 from app.telemetry.sinks import MetricsLogger
 from app.data.order import skip_ahead

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from app.config import TrainConfig  # noqa: E402
 from app.runtime.device import detect  # noqa: E402
-from app.runtime.engine import init_distributed, world_from_env  # noqa: E402
+from app.runtime.dist import init_distributed, world_from_env  # noqa: E402
 from app.train import build_engine, build_trainer, plan_run, run_shape  # noqa: E402
 from app.checkpoint.train_state import TrainState  # noqa: E402
 from bench.bench_train import (BETAS, EPS, LR, MIN_LR_RATIO, WEIGHT_DECAY,  # noqa: E402

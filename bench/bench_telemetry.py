@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from app.telemetry import figures as telemetry  # noqa: E402
 from app.config import TrainConfig  # noqa: E402
 from app.runtime.device import detect, memory_gb, synchronize  # noqa: E402
-from app.runtime.engine import gather_rows, init_distributed, world_from_env  # noqa: E402
+from app.runtime.dist import gather_rows, init_distributed, world_from_env  # noqa: E402
 from app.train import build_engine, build_trainer, plan_run, run_shape  # noqa: E402
 from app.checkpoint.train_state import TrainState  # noqa: E402
 

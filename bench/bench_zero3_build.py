@@ -1,5 +1,5 @@
 """Peak per-rank memory while building a model: unpartitioned (what ZeRO 0-2 build) against
-ZeRO-3's partitioned build (`deepspeed.zero.Init`, app/model.py `_partitioned`).
+ZeRO-3's partitioned build (`deepspeed.zero.Init`, app/runtime/zero3_init.py `partitioned`).
 
     python bench/bench_zero3_build.py --model bert-120m --ranks 2
 
@@ -51,7 +51,7 @@ def rank_main(model_name: str, build: str) -> None:
     from app.model import build_config, build_model, count_parameters
 
     from app.runtime.device import detect
-    from app.runtime.engine import barrier, init_distributed, shutdown
+    from app.runtime.dist import barrier, init_distributed, shutdown
 
     torch.set_num_threads(1)
     rank = init_distributed(detect()).rank

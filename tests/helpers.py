@@ -6,12 +6,13 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from app.runtime.dist import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,12 +37,6 @@ def run_app(*args: str, timeout: int = 600, env: dict[str, str] | None = None
     """`python -m app ARGS` in a fresh process (a world of one)."""
     return subprocess.run([sys.executable, "-m", "app", *map(str, args)], cwd=REPO,
                           env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(*args: str, procs: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.config import TrainConfig
 from app.runtime.device import detect
-from app.runtime.engine import init_distributed, world_from_env
+from app.runtime.dist import init_distributed, world_from_env
 from app.train import build_engine, build_trainer, plan_run, run_shape
 from app.checkpoint.train_state import TrainState
 

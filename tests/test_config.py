@@ -15,7 +15,7 @@ from app.data.loader import OBJECTIVES
 from app.data.packing import PACKINGS
 from app.faults.anomaly import POLICIES
 from app.runtime.device import PRECISIONS, Device, resolve_precision
-from app.runtime.engine import CONFIG_DIR, fill_auto, load_ds_config, settle_precision, zero_stage
+from app.runtime.ds_config import CONFIG_DIR, fill_auto, load_ds_config, settle_precision, zero_stage
 from app.schedule import DECAYS
 from app.train import batch_geometry
 from data_tools.cli import field_docs
@@ -205,7 +205,7 @@ def test_a_file_without_an_optimizer_gets_adamw_from_the_flags(tmp_path):
     ({}, (0, 1, 0, 1)),
 ])
 def test_ranks_come_from_torch_mpi_or_slurm_launchers(env, want):
-    from app.runtime.engine import adopt_launcher_env, world_from_env
+    from app.runtime.dist import adopt_launcher_env, world_from_env
 
     adopt_launcher_env(env)
     w = world_from_env(env)

@@ -92,7 +92,7 @@ def _launch(args: list, env: dict) -> subprocess.Popen:
 
 
 def _shm_left(*procs: subprocess.Popen) -> list[Path]:
-    """DeepSpeed's /dev/shm all-reduce buffers of these jobs still there (app.runtime.engine unlinks
+    """DeepSpeed's /dev/shm all-reduce buffers of these jobs still there (app.runtime.dist unlinks
     them once the group is up, so not even a killed rank leaves its ~70 MB behind)."""
     return [p for proc in procs
             for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{proc.master_port}_*")]
@@ -209,13 +209,13 @@ def test_a_hung_rank_is_named_by_the_watchdog(mlm_dataset, tmp_path):
 
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(tmp_path):
     """torch's JIT build lock is a bare file; a rank killed while loading DeepSpeed's ops leaves
-    it, and without app.runtime.engine.load_op every later start on the node would wait for ever."""
+    it, and without app.runtime.ops.load_op every later start on the node would wait for ever."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from app.runtime.engine import _own_extensions_dir
+    from app.runtime.ops import _own_extensions_dir
 
     _own_extensions_dir()  # the directory the app builds in (TORCH_EXTENSIONS_DIR from now on)
-    code = ("from app.runtime.engine import load_op; load_op('ShareMemCommBuilder');"
+    code = ("from app.runtime.ops import load_op; load_op('ShareMemCommBuilder');"
             "load_op('FusedAdamBuilder'); print('loaded')")
     check(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=600))  # built and cached

@@ -117,7 +117,7 @@ def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_allows(bf16_runs):
 
 def test_bf16_without_a_stage_defaults_to_zero1(mlm_dataset, tmp_path):
     from app.config import TrainConfig
-    from app.runtime.engine import World
+    from app.runtime.dist import World
     from app.train import plan_run
 
     cpu_bf16 = Device("cpu", "gloo", False, True, False)
@@ -194,9 +194,9 @@ def test_gpu_knobs():
     assert attention_implementation("auto", gpu, "fp32", "concat") == "sdpa"
     # threads: the cores shared by the node's ranks on every kind of device
     env = {"LOCAL_WORLD_SIZE": "8"}
-    threads = set_cpu_threads(gpu, env)
+    threads = set_cpu_threads(env)
     assert threads == max(1, len(os.sched_getaffinity(0)) // 8)
-    assert set_cpu_threads(gpu, {"OMP_NUM_THREADS": "3"}) is None
+    assert set_cpu_threads({"OMP_NUM_THREADS": "3"}) is None
 
 
 def test_no_weight_decay_on_biases_norms_and_embeddings():

@@ -364,7 +364,7 @@ def test_deepspeed_refusals_are_one_line(world, tmp_path, config, needles, capsy
 
 
 def test_unknown_deepspeed_keys_are_named_in_a_warning(tmp_path):
-    from app.runtime.engine import validate_ds_config
+    from app.runtime.ds_config import validate_ds_config
 
     ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
           "train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

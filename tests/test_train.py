@@ -150,7 +150,7 @@ def test_plan_settles_the_run_before_any_process_group(mlm_dataset, tmp_path):
 
     from app.config import TrainConfig, add_arguments
     from app.runtime.device import detect
-    from app.runtime.engine import World
+    from app.runtime.dist import World
     from app.train import plan_run
 
     parser = argparse.ArgumentParser()

@@ -1,5 +1,5 @@
 """Switching ZeRO stage and world size mid-run (app/checkpoint/universal.py, app/checkpoint/convert.py), and ZeRO-3
-models built partitioned (app/model.py `_partitioned`). Real processes, the real launcher, fp32.
+models built partitioned (app/runtime/zero3_init.py `partitioned`). Real processes, the real launcher, fp32.
 
 A run under (stage a, W ranks) saves at step 4; the same run resumed from that checkpoint under
 (stage b, W' ranks) with the same global batch must log the same losses for steps 5-8 as the
@@ -192,7 +192,7 @@ def test_zero3_builds_the_model_partitioned_with_the_same_weights(tmp_path):
 import sys, torch, deepspeed
 sys.path.insert(0, {str(REPO)!r})
 from app.runtime.device import detect
-from app.runtime.engine import barrier, init_distributed, shutdown
+from app.runtime.dist import barrier, init_distributed, shutdown
 from app.model import build_config, build_model
 init_distributed(detect())  # as app train joins (the shm buffer's name removed, ...)
 for name in ("bert-tiny", "gpt-tiny"):

@@ -28,7 +28,7 @@ import torch
 from app.faults import injection as faults
 from app.checkpoint import universal
 from app.runtime.device import rng_state, set_rng_state
-from app.runtime.engine import any_rank, barrier, world_size
+from app.runtime.dist import any_rank, barrier, world_size
 from app.rundir import CHECKPOINTS
 from app.checkpoint.train_state import TrainStateFile
 from data_tools import output

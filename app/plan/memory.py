@@ -21,7 +21,7 @@ ZeRO-2 mixed is then 2P + 18P/N, DeepSpeed's figure exactly. For ZeRO-3 DeepSpee
 `grad_partitions_flat_buffer` in stage3.py) and count the gathered parameters under buffers.
 
 Buffers: ZeRO-0 flattens the gradients for the all-reduce (min(P, 5e8) elements; none in a world
-of one, where the app skips that all-reduce: app.runtime.engine.skip_lone_allreduce); ZeRO-1/2 keep
+of one, where the app skips that all-reduce: app.runtime.patches.skip_lone_allreduce); ZeRO-1/2 keep
 reduce (x2 with overlap_comm) and all-gather buckets; ZeRO-3 keeps the gathered parameters
 (up to `stage3_max_live_parameters`, so with this repo's zero3.json the whole model of any
 model below 1e9 parameters), the gradients of one layer in flight, its reduce bucket and the

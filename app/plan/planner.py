@@ -76,7 +76,7 @@ def dropout_flags(config: Any) -> tuple[bool, bool]:
 
 def zero_setups(hidden: int) -> list[ZeroSetup]:
     """ZeRO 0-3 and 3 + offload, with the buffer sizes of this repo's ds_configs/*.json."""
-    from app.runtime.engine import load_ds_config, zero_config_path
+    from app.runtime.ds_config import load_ds_config, zero_config_path
 
     out = []
     for stem, offload in SETUPS:
@@ -88,7 +88,7 @@ def zero_setups(hidden: int) -> list[ZeroSetup]:
 def setup_from_ds(ds: dict[str, Any], hidden: int, where: Any,
                   offload: bool | None = None) -> ZeroSetup:
     """The ZeroSetup a DeepSpeed config describes (its "auto" sizes filled as `app train` does)."""
-    from app.runtime.engine import fill_auto
+    from app.runtime.ds_config import fill_auto
 
     kwargs = dict(micro_batch=1, grad_accum=1, world_size=1, precision="bf16", lr=1e-3,
                   betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=False, where=where)

@@ -7,9 +7,9 @@ device OOM, so a watchdog enforces the memory budget on each rank's resident mem
 accelerator the real OOM error is the boundary (and the run's reported peak is checked too).
 The measurements come back through the run's metrics.jsonl, not through trainer internals.
 
-On CPU the peak is each rank's VmHWM (/proc/PID/status), not the run's `sys/max_mem_gb`: that
-is `ru_maxrss`, which Linux carries across exec from the parent's memory, so a rank started by
-a large parent (this tuner, pytest) would report at least the parent's resident size.
+On CPU the peak is each rank's VmHWM (app.runtime.device.peak_rss_bytes) as watched here while
+the probe runs (the budget is enforced on it then), not the run's `sys/max_mem_gb`, which is the
+same figure but read only at log intervals and lost with a killed rank.
 """
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+from app.runtime.device import peak_rss_bytes
 
 GiB = 2 ** 30
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "cannot allocate memory",
@@ -192,18 +193,6 @@ def rank_pids(pgid: int, module: str = "app") -> list[int]:
     return [p for p in pids if parents[p] not in parents]
 
 
-def peak_rss_bytes(pid: int) -> int:
-    """A process's peak resident memory since its exec (VmHWM), 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, IndexError, ValueError):
-        pass
-    return 0
-
-
 def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """Terminate the probe's whole process group, kill what is left after `grace`, reap."""
     pgid = proc.pid
@@ -254,13 +243,6 @@ def kill_tagged(name: str, value: str, wait: float = 10.0) -> list[int]:
     while time.monotonic() < deadline and tagged_pids(name, value):
         time.sleep(0.05)
     return pids
-
-
-def free_port() -> int:
-    """A TCP port free right now on this host (a probe's rendezvous port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def remove_shm_buffers(port: int, shm_dir: Path = Path("/dev/shm")) -> None:

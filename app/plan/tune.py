@@ -31,13 +31,11 @@ from typing import Any, Callable, Iterator
 from app import config as config_mod
 from app.config import TrainConfig
 from app.plan.memory import CPU, GPU, GiB, ZeroSetup, Workload
-from app.plan.probe import ProbeResult, free_port, remove_shm_buffers, run_probe
+from app.plan.probe import ProbeResult, remove_shm_buffers, run_probe
+from app.runtime.device import accelerator_memory_bytes, usable_cores
+from app.runtime.dist import free_port
 from data_tools.errors import UserError
-
-try:  # data_tools.output after the data_tools reshape (main); data_tools.manifest before it
-    from data_tools.output import write_json_atomic, write_text_atomic
-except ImportError:
-    from data_tools.manifest import write_json_atomic, write_text_atomic
+from data_tools.output import write_json_atomic, write_text_atomic
 
 # Flags tune sets on every probe (the user's values of these are not passed through).
 PROBE_FLAGS = {"out", "micro_batch", "num_workers", "max_steps", "log_every", "eval_every",
@@ -418,9 +416,7 @@ def default_budget(cpu: bool, ranks: int) -> int:
     if cpu:
         total, available = memory_info()
         return int(min(total / 4, available / 2) / ranks)
-    from deepspeed.accelerator import get_accelerator
-
-    return int(get_accelerator().total_memory())
+    return accelerator_memory_bytes()
 
 
 def settings_from_args(args: argparse.Namespace, cpu: bool, model: str) -> TuneSettings:
@@ -434,12 +430,11 @@ def settings_from_args(args: argparse.Namespace, cpu: bool, model: str) -> TuneS
             raise UserError(f"--{name.replace('_', '-')} {value}: must be positive")
     if args.zero is not None and args.ds_config is not None:
         raise UserError("--zero and --ds-config are exclusive")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     mem = int(args.mem_gb * GiB) if args.mem_gb else default_budget(cpu, args.ranks)
     return TuneSettings(
         stages=() if args.ds_config else (args.zero or (0,)), ranks=args.ranks, mem_bytes=mem,
         max_micro_batch=args.max_micro_batch or (128 if cpu else 1024),
-        max_workers=args.max_workers or max(1, min(8, (cores or 1) // args.ranks)),
+        max_workers=args.max_workers or max(1, min(8, usable_cores() // args.ranks)),
         data_wait_pct=args.data_wait_pct, probe_steps=args.probe_steps,
         probe_timeout=args.probe_timeout, out=args.out or Path("runs") / f"tune-{model}",
         cpu=cpu)
@@ -447,7 +442,7 @@ def settings_from_args(args: argparse.Namespace, cpu: bool, model: str) -> TuneS
 
 def candidates(args: argparse.Namespace, settings: TuneSettings, hidden: int) -> list[Candidate]:
     """The setups to try: each --zero stage's ds_configs file, or the --ds-config file."""
-    from app.runtime.engine import load_ds_config, zero_config_path
+    from app.runtime.ds_config import load_ds_config, zero_config_path
     from app.plan.planner import setup_from_ds
 
     if args.ds_config:

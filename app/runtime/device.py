@@ -112,7 +112,7 @@ def attention_implementation(requested: str, device: Device, precision: str = "b
     return "sdpa"
 
 
-def set_cpu_threads(device: Device, env: Mapping[str, str] = os.environ) -> int | None:
+def set_cpu_threads(env: Mapping[str, str] = os.environ) -> int | None:
     """Share the node's cores among its ranks, on every kind of device: torch takes them all per
     process otherwise (8 ranks x all cores under CPU-offloaded Adam or the loader's numpy).
 
@@ -137,17 +137,6 @@ def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask, e.g. a Slurm allocation)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return cores or 1
-
-
-def cpu_busy_seconds() -> float | None:
-    """CPU seconds this host has spent busy since boot, over all its processes and every user
-    (/proc/stat: everything but idle and iowait); None where there is no /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def synchronize() -> None:
@@ -188,19 +177,37 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[s
 def memory_gb() -> tuple[float, float, float]:
     """(in use, reserved, peak) memory of this rank in GiB: the accelerator's allocator counters
     (allocated, reserved by the caching allocator, peak allocated), or on CPU the process's
-    resident set (current, current, peak)."""
+    resident set (current, current, peak since its exec; zeros where there is no /proc)."""
     acc = accelerator()
     if acc.device_name() == "cpu":
-        try:
-            import resource
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-            with open("/proc/self/statm") as f:
-                current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-            return current, current, max(peak, current)  # the peak read a moment earlier
-        except (OSError, ValueError, ImportError):
-            return 0.0, 0.0, 0.0
+        current, peak = _proc_status_bytes("self", "VmRSS"), peak_rss_bytes()
+        return current / 2**30, current / 2**30, max(peak, current) / 2**30
     return (acc.memory_allocated() / 2**30, acc.memory_reserved() / 2**30,
             acc.max_memory_allocated() / 2**30)
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """A process's peak resident memory since its exec (VmHWM), 0 if it is gone or there is no
+    /proc. Not `ru_maxrss`: Linux carries that across exec from the parent's memory, so a rank
+    started by a large process (a tuner, pytest) would report at least the parent's size."""
+    return _proc_status_bytes(pid, "VmHWM")
+
+
+def _proc_status_bytes(pid: int | str, key: str) -> int:
+    """A size field ("VmHWM", "VmRSS": kB) of /proc/PID/status in bytes; 0 where it is not."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
+def accelerator_memory_bytes() -> int:
+    """Total memory of this rank's accelerator (the default budget of `app tune` on a GPU)."""
+    return int(accelerator().total_memory())
 
 
 class ComputeClock:

@@ -1,10 +1,10 @@
 """`python -m app bench --data DIR --out DIR --sweep world=1,2 zero=0,3 model=A,B --steps N`:
 the scaling sweep, the paper's Figure 1 for the machine or cluster at hand.
 
-Each configuration of the sweep (app/sweep/configs.py: the cartesian product, one thread count and loader
-worker count per rank for all) is a short real `app train` started through `launch.sh`, so a
-sweep over nodes (`--hostfile`) runs exactly as training does. Its figures are read from the
-run's metrics.jsonl (app/sweep/results.py); nothing is timed here.
+Each configuration of the sweep (app/sweep/configs.py: the cartesian product, one thread count
+and loader worker count per rank for all) is a short real `app train` started through
+`launch.sh`, so a sweep over nodes (`--hostfile`) runs exactly as training does. Its figures are
+read from the run's metrics.jsonl (app/sweep/results.py); nothing is timed here.
 
     OUT/sweep.json            what was asked (configurations, steps, data, train arguments)
     OUT/results/<config>.json one file a configuration, written atomically when it is done
@@ -40,7 +40,8 @@ import app
 from app.sweep import results as bench_results
 from app.sweep import configs as sweep
 from app.config import TrainConfig
-from app.plan.probe import free_port, kill_tagged, remove_shm_buffers, run_probe
+from app.plan.probe import kill_tagged, remove_shm_buffers, run_probe
+from app.runtime.dist import free_port
 from app.sweep.configs import Config
 from data_tools import output
 from data_tools.errors import Parser, UserError
@@ -243,9 +244,6 @@ class OtherLoad:
     it says which figures to trust: 2 ranks on 2 cores scale only when nothing else runs."""
 
     def __init__(self):
-        from app.runtime.device import cpu_busy_seconds
-
-        self._busy = cpu_busy_seconds
         self.start = (time.monotonic(), cpu_busy_seconds(), self._children())
 
     @staticmethod
@@ -255,11 +253,22 @@ class OtherLoad:
 
     def cores(self) -> float | None:
         t0, busy0, own0 = self.start
-        busy = self._busy()
+        busy = cpu_busy_seconds()
         wall = time.monotonic() - t0
         if busy is None or busy0 is None or wall <= 0:
             return None
         return round(max(0.0, (busy - busy0) - (self._children() - own0)) / wall, 2)
+
+
+def cpu_busy_seconds() -> float | None:
+    """CPU seconds this host has spent busy since boot, over all its processes and every user
+    (/proc/stat: everything but idle and iowait); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the sweep -----------------------------------------------------------------------------------
@@ -316,7 +325,7 @@ def eta_text(durations: list[float], left: int) -> str:
     return f"{left} left, ETA {seconds // 60}m{seconds % 60:02d}s"
 
 
-def header_lines(args: argparse.Namespace, identity: dict[str, Any]) -> list[str]:
+def header_lines(identity: dict[str, Any]) -> list[str]:
     import torch
 
     cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
@@ -375,7 +384,7 @@ def sweep_all(args: argparse.Namespace, configs: list[Config], identity: dict[st
           f"already), {args.steps} steps each, {configs[0].threads} thread(s) and "
           f"{configs[0].workers} loader worker(s) a rank; results in {out}",
           file=sys.stderr, flush=True)
-    header = header_lines(args, identity)
+    header = header_lines(identity)
     durations: list[float] = []
     for i, c in enumerate(todo):
         n = len(configs) - len(todo) + i + 1

@@ -9,7 +9,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from app.config import TrainConfig, add_arguments
 from app.runtime.device import Device, resolve_precision
 from app.runtime.engine import CONFIG_DIR, fill_auto, load_ds_config, settle_precision, zero_stage
-from app.train import batch_geometry
+from app.settle import batch_geometry
 from data_tools.errors import UserError
 
 CPU = Device(name="cpu", backend="gloo", pin_memory=False, bf16_supported=True,

@@ -91,6 +91,7 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     if world.is_main:
         record_run(plan, engine, run_config, data_dirs[0], n_params, shape)
     trainer = build_trainer(plan, engine, world, data_dirs, state, run_config, shape)
+    faults.install(trainer)  # the tests' DSPRETRAIN_TEST_* switches (none in a real run)
     return Built(plan=plan, world=world, engine=engine, state=state, trainer=trainer,
                  n_params=n_params, data_dirs=data_dirs)
 
@@ -277,10 +278,10 @@ def loaders(plan: Plan, engine, world: World,
                   if sources.is_mixture else spec("train", 0))
 
     def train_batches(consumed: int, skip: frozenset[int]):
-        return faults.slow_loader(build_train_loader(
+        return build_train_loader(
             train_spec, micro_batch=micro, global_batch=engine.train_batch_size(),
             dp_rank=world.rank, dp_size=world.world_size, consumed_samples=consumed,
-            num_workers=workers, pin_memory=pin, skip=skip), world.rank)
+            num_workers=workers, pin_memory=pin, skip=skip)
 
     def eval_set(i: int) -> EvalSet:
         return EvalSet(name=sources.names[i] if sources.is_mixture else None,
@@ -290,7 +291,8 @@ def loaders(plan: Plan, engine, world: World,
                            dp_size=world.world_size, max_samples=cfg.eval_samples,
                            num_workers=0, pin_memory=pin))
 
-    return train_spec, train_batches, [eval_set(i) for i in plan.eval_sources]
+    return (train_spec, faults.slow_loaders(train_batches, world.rank),
+            [eval_set(i) for i in plan.eval_sources])
 
 
 def build_guards(plan: Plan, world: World, state: TrainState, engine, train_spec,

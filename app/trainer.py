@@ -30,7 +30,6 @@ from app import rundir
 from app.checkpoint import store as checkpoint
 from app.checkpoint.train_state import TrainState
 from app.data.masking import IGNORE_INDEX
-from app.faults import injection as faults
 from app.faults.preemption import StopRequests
 from app.faults.recovery import Recovery
 from app.faults.watchdog import Watchdog
@@ -146,7 +145,6 @@ class Trainer:
         log_now = upcoming % self.schedule.log_every == 0 or upcoming == self.schedule.stop_step
         self._lr = self.engine.get_lr()[0]  # the LR this step applies
         batch_index = s.consumed_samples // self.global_batch
-        faults.hang_here(self.world.rank, upcoming)
         step_loss = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
             beat("waiting for data")
@@ -155,7 +153,6 @@ class Trainer:
             beat("in forward/backward (and the gradient all-reduce)")
             with self.window.forward():
                 loss = self.engine(**to_device(batch, self.device)).loss
-            loss = faults.poisoned(loss, batch_index)
             self.engine.backward(loss)
             if log_now and micro == self.grad_accum - 1:
                 self._grad_norm = grad_norm_before_step(self.engine)

@@ -6,14 +6,17 @@ uses app.runtime.engine for its cross-rank collectives. Time is kept by app.tele
 state by app.checkpoint.train_state, the console and files by app.telemetry.sinks; anomalies and
 stop signals are handled by app.faults.recovery. Built by app.build.
 
-Host syncs and collectives, and when (a training step itself has none: tests/test_gpu_path.py):
-- every step: the stop-flag all-reduce (app.faults.preemption), one integer on a CPU (gloo)
-  group, started at one step boundary and read at the next: it never waits for the device;
-- at a log step (`gather`): one device synchronize (the clock), one copy of the device figures
-  (anomaly marks, loss sum, gradient norm) to the host, and one all-gather of every rank's row
-  (the marks and the window's figures), which the anomaly check and the log both read;
-- at a save that is not a log step, and on a stop signal: one all-gather of the marks alone
-  (the save itself then syncs, in DeepSpeed and app.checkpoint.store);
+Host syncs and collectives, and when. A training step has no host sync of its own (at
+ZeRO 1-3 DeepSpeed adds its inf/NaN check of the gradient norm; tests/test_gpu_path.py):
+- every step: the stop-flag all-reduce (app.faults.preemption), one integer on its own CPU
+  (gloo) group, started at one step boundary and read at the next: it never waits for the device;
+- at a log step (`gather`, then `log`): one device synchronize (the clock), one copy of the
+  device values (anomaly marks, loss sum, gradient norm) to the host, one all-gather of every
+  rank's row (the marks and the window's figures; read back row by row), which the anomaly
+  check and the log both read; where DeepSpeed keeps the gradient norm (ZeRO 1-3, bf16, fp16),
+  reading it is one more copy;
+- at a save that is not a log step, and on a stop signal: one copy of the marks and one
+  all-gather of them (the save itself then syncs, in DeepSpeed and app.checkpoint.store);
 - at an eval step: one all-reduce of the eval sums and their copy to the host.
 """
 from __future__ import annotations

@@ -3,7 +3,8 @@ train (`Built`), for `app train` (app/train.py), the benchmarks (bench/) and the
 
 plan (app/settle.py: checked before any process group) -> run directory (main rank) -> stage
 data -> join the group -> engine -> resume -> Trainer. One TrainState is made here: the engine's
-LR schedule and the Trainer's recovery share its cool-down by construction.
+LR schedule and the Trainer's recovery share its cool-down by construction. The parts (`_engine`,
+`_trainer`, `_loaders`, `_guards`) are this module's own: nothing else assembles a Trainer.
 """
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     enable_tf32(device, plan.precision, cfg.tf32)
     world = init_distributed(device, timeout_minutes=cfg.dist_timeout)
     barrier()
-    state = TrainState()  # the one state: build_engine's LR schedule reads its cool-down
-    engine, n_params = build_engine(plan, state.cooldown)
+    state = TrainState()  # the one state: the engine's LR schedule reads its cool-down
+    engine, n_params = _engine(plan, state.cooldown)
     torch.manual_seed(dropout_seed(cfg.seed, world.rank))
     state.facts = state_facts(plan, engine, world)
     if plan.resume is not None:
@@ -90,7 +91,7 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     shape = run_shape(plan, engine)
     if world.is_main:
         record_run(plan, engine, run_config, data_dirs[0], n_params, shape)
-    trainer = build_trainer(plan, engine, world, data_dirs, state, run_config, shape)
+    trainer = _trainer(plan, engine, world, data_dirs, state, run_config, shape)
     faults.install(trainer)  # the tests' DSPRETRAIN_TEST_* switches (none in a real run)
     return Built(plan=plan, world=world, engine=engine, state=state, trainer=trainer,
                  n_params=n_params, data_dirs=data_dirs)
@@ -142,7 +143,7 @@ def dropout_seed(seed: int, rank: int) -> int:
     return seed * 1_000_003 + rank + 1
 
 
-def build_engine(plan: Plan, cooldown: anomaly.Cooldown):
+def _engine(plan: Plan, cooldown: anomaly.Cooldown):
     """The model (same seed, same weights on every rank) inside the DeepSpeed engine; its LR
     schedule is the plan's times the cool-down after a rollback (part of the train state)."""
     cfg = plan.cfg
@@ -231,12 +232,12 @@ def run_shape(plan: Plan, engine) -> telemetry.RunShape:
                               peak_tflops=peak)
 
 
-def build_trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state: TrainState,
+def _trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state: TrainState,
                   run_config: dict[str, Any], shape: telemetry.RunShape) -> Trainer:
     """The loop with its loaders (`data_dirs`: where each dataset is read from), logger,
     schedule and guards."""
     cfg = plan.cfg
-    train_spec, train_batches, eval_sets = loaders(plan, engine, world, data_dirs)
+    train_spec, train_batches, eval_sets = _loaders(plan, engine, world, data_dirs)
     wandb = WandbSettings(mode=wandb_mode(cfg.wandb), project=cfg.wandb_project,
                           name=cfg.run_name or cfg.out.resolve().name, group=cfg.wandb_group,
                           tags=tuple(cfg.wandb_tags))
@@ -247,7 +248,7 @@ def build_trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state
                         log_every=cfg.log_every, eval_every=cfg.eval_every,
                         save_every=cfg.save_every, keep_last=cfg.keep_last,
                         skip_failed_saves=cfg.save_errors == "skip")
-    guards = build_guards(plan, world, state, engine, train_spec, logger)
+    guards = _guards(plan, world, state, engine, train_spec, logger)
     return Trainer(engine=engine, world=world, device=plan.device.torch_device(world.local_rank),
                    schedule=schedule, state=state, seq_len=cfg.seq_len, objective=plan.objective,
                    train_batches=train_batches, eval_sets=eval_sets, logger=logger,
@@ -256,7 +257,7 @@ def build_trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state
                        position, plan.train_samples))
 
 
-def loaders(plan: Plan, engine, world: World,
+def _loaders(plan: Plan, engine, world: World,
             data_dirs: list[Path]) -> tuple[Any, Callable, list[EvalSet]]:
     """(the train data's spec, its loader from a stream position without the skipped batches,
     the eval sets) of this rank; batch sizes read back from the engine, which owns them."""
@@ -295,7 +296,7 @@ def loaders(plan: Plan, engine, world: World,
             [eval_set(i) for i in plan.eval_sources])
 
 
-def build_guards(plan: Plan, world: World, state: TrainState, engine, train_spec,
+def _guards(plan: Plan, world: World, state: TrainState, engine, train_spec,
                  logger: MetricsLogger) -> Guards:
     """Anomaly recovery (its rules and monitor, the skipped batches: every rank reads them, a
     resume skips them too), the agreed stop signals, the watchdog."""

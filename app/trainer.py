@@ -2,8 +2,22 @@
 calls (log, evaluate, save) at their intervals.
 
 The loop never imports DeepSpeed: it sees the engine as an `nn.Module` with backward/step, and
-uses app.runtime.engine for the handful of cross-rank reductions, only at log and eval intervals. Time is
-kept by app.telemetry.timing, the state by app.checkpoint.train_state, the console and files by app.telemetry.sinks.
+uses app.runtime.engine for its cross-rank collectives. Time is kept by app.telemetry.timing, the
+state by app.checkpoint.train_state, the console and files by app.telemetry.sinks; anomalies and
+stop signals are handled by app.faults.recovery. Built by app.build.
+
+Host syncs and collectives, and when. A training step has no host sync of its own (at
+ZeRO 1-3 DeepSpeed adds its inf/NaN check of the gradient norm; tests/test_gpu_path.py):
+- every step: the stop-flag all-reduce (app.faults.preemption), one integer on its own CPU
+  (gloo) group, started at one step boundary and read at the next: it never waits for the device;
+- at a log step (`gather`, then `log`): one device synchronize (the clock), one copy of the
+  device values (anomaly marks, loss sum, gradient norm) to the host, one all-gather of every
+  rank's row (the marks and the window's figures; read back row by row), which the anomaly
+  check and the log both read; where DeepSpeed keeps the gradient norm (ZeRO 1-3, bf16, fp16),
+  reading it is one more copy;
+- at a save that is not a log step, and on a stop signal: one copy of the marks and one
+  all-gather of them (the save itself then syncs, in DeepSpeed and app.checkpoint.store);
+- at an eval step: one all-reduce of the eval sums and their copy to the host.
 """
 from __future__ import annotations
 
@@ -16,22 +30,23 @@ import torch
 import torch.nn.functional as F
 
 from app import rundir
-from app.faults import anomaly
 from app.checkpoint import store as checkpoint
-from app.faults import injection as faults
-from app.telemetry import figures as telemetry
+from app.checkpoint.train_state import TrainState
+from app.data.masking import IGNORE_INDEX
+from app.faults.preemption import StopRequests
+from app.faults.recovery import Recovery
+from app.faults.watchdog import Watchdog
 from app.runtime.device import ComputeClock, memory_gb, synchronize, to_device
 from app.runtime.dist import World, all_reduce_sum, gather_rows
 from app.runtime.engine import (apply_lr_schedule, grad_norm_before_step, loss_scale,
                                 model_state_bytes, reported_grad_norm)
-from app.data.masking import IGNORE_INDEX
+from app.telemetry import figures as telemetry
 from app.telemetry.sinks import MetricsLogger
-from app.data.order import skip_ahead
-from app.faults.preemption import EXIT_PREEMPTED, StopRequests
 from app.telemetry.timing import Window
-from app.checkpoint.train_state import TrainState
-from app.faults.watchdog import Watchdog
-from data_tools.errors import Stopped
+
+# A rank's row of a log step's `gather`: the anomaly marks, the loss sum, the micro steps and the
+# gradient norm, then from FIGURES on telemetry.interval's columns (wall time, data wait, ...)
+LOSS_SUM, MICRO_STEPS, GRAD_NORM, FIGURES = 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -51,18 +66,13 @@ class Schedule:
 
 @dataclass
 class Guards:
-    """What keeps a run alive (docs/design.md, "Faults"): the anomaly rules and this rank's loss
-    monitor, the agreed stop requests (signals), the hang watchdog, the skipped batches."""
+    """What keeps a run alive (docs/design.md, "Faults"): anomaly recovery (the rules, this
+    rank's loss monitor, the skipped batches), the agreed stop requests (signals), the hang
+    watchdog."""
 
-    rules: anomaly.Rules
-    monitor: anomaly.LossMonitor
+    recovery: Recovery
     stops: StopRequests
     watchdog: Watchdog
-    skip: frozenset[int]
-    """Global batches never trained on (app/rundir.py, skipped_batches.jsonl)."""
-    describe_batch: Callable[[int], dict[str, list]]
-    """The sample ids of a global batch, and with a mixture their sources (app.data.loader
-    .batch_samples), for the record of a skipped one."""
 
 
 @dataclass(frozen=True)
@@ -92,21 +102,20 @@ class Trainer:
         self.shape, self.guards = shape, guards
         self.global_batch = engine.train_batch_size()  # read back: the engine owns batch sizes
         self.grad_accum = engine.gradient_accumulation_steps()
-        self.batches: Iterator = iter(train_batches(state.consumed_samples, guards.skip))
+        self.batches: Iterator = iter(train_batches(state.consumed_samples,
+                                                    guards.recovery.skip))
         self.window = Window(state.step, sync=synchronize, clock=compute_clock)
         self._reset_window()
         self.last_eval: dict[str, float] = {}
         self.intervals: list[dict[str, Any]] = []  # the logged figures, for summary.json
         self.train_seconds = 0.0
         self.session_steps = 0
-        self._batch_of: dict[int, int] = {}  # step -> its global batch, since the last check
-        self._rollbacks: list[int] = []
         self._last_save = state.step if state.step else None
 
     # -- the loop -------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        s, sched = self.state, self.schedule
+        s, sched, recovery = self.state, self.schedule, self.guards.recovery
         self.engine.train()
         self.logger.start_progress(total=sched.stop_step, done=s.step)
         while s.step < sched.stop_step:
@@ -115,16 +124,20 @@ class Trainer:
             last = s.step == sched.stop_step
             log_due = s.step % sched.log_every == 0 or last
             save_due = (sched.save_every and s.step % sched.save_every == 0) or last
-            if (log_due or save_due) and self.check():
-                continue  # rolled back: the state is the checkpoint's
-            if log_due:
-                self.log()
+            if log_due or save_due:  # a check point: saves only ever follow a clean check
+                rows = self.gather(figures=log_due)
+                if recovery.check(rows, self.rewind):
+                    self.restart()
+                    continue  # rolled back: the state is the checkpoint's
+                if log_due:
+                    self.log(rows)
             if (sched.eval_every and s.step % sched.eval_every == 0) or last:
                 self.evaluate()
             if save_due:
                 self.save()
             if self.guards.stops.agreed():
-                self.stop_for_signal()
+                recovery.stop_for_signal(self.gather(figures=False), self.rewind,
+                                         None if self._last_save == s.step else self.save)
         self.logger.end_progress()
         return self.summary()
 
@@ -135,8 +148,6 @@ class Trainer:
         log_now = upcoming % self.schedule.log_every == 0 or upcoming == self.schedule.stop_step
         self._lr = self.engine.get_lr()[0]  # the LR this step applies
         batch_index = s.consumed_samples // self.global_batch
-        self._batch_of[upcoming] = batch_index
-        faults.hang_here(self.world.rank, upcoming)
         step_loss = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum):
             beat("waiting for data")
@@ -145,7 +156,6 @@ class Trainer:
             beat("in forward/backward (and the gradient all-reduce)")
             with self.window.forward():
                 loss = self.engine(**to_device(batch, self.device)).loss
-            loss = faults.poisoned(loss, batch_index)
             self.engine.backward(loss)
             if log_now and micro == self.grad_accum - 1:
                 self._grad_norm = grad_norm_before_step(self.engine)
@@ -155,8 +165,8 @@ class Trainer:
             step_loss += loss.detach().float()  # stays on device: no sync per micro step
         self._loss_sum += step_loss
         self._micro_steps += self.grad_accum
-        self.guards.monitor.observe(upcoming, step_loss / self.grad_accum)
-        s.advance(self.global_batch, self.seq_len, self.guards.skip)
+        self.guards.recovery.observe(upcoming, batch_index, step_loss / self.grad_accum)
+        s.advance(self.global_batch, self.seq_len, self.guards.recovery.skip)
         self.session_steps += 1
         beat("training")
 
@@ -168,108 +178,55 @@ class Trainer:
             # schedule follows the step counter (and the data), so it advances all the same
             self.engine.lr_scheduler.step()
 
-    # -- faults ---------------------------------------------------------------------------------
+    # -- check points -------------------------------------------------------------------------
 
-    def check(self) -> bool:
-        """A check point (before a log and before a save): every rank's anomaly marks, gathered.
-        True when the run rolled back."""
-        rows = gather_rows(list(self.guards.monitor.marks()), self.device)
-        found = anomaly.earliest([(r[0], r[1]) for r in rows])
-        if found is None:
-            self._batch_of = {}
-            return False
-        return self.on_anomaly(found)
+    def gather(self, figures: bool) -> list[list[float]]:
+        """Every rank's row at a check point, in rank order, in one all-gather: its anomaly
+        marks, then at a log step (`figures`) its window's figures. At a log step this is the
+        host sync of training: the clock syncs the device, the device values come to the host
+        in one copy, and the all-gather carries them with the host figures."""
+        marks = self.guards.recovery.monitor.marks()
+        if not figures:
+            return gather_rows(marks.tolist(), self.device)
+        wall = self.window.elapsed()  # syncs the device first
+        norm = (self._grad_norm if self._grad_norm is not None
+                else torch.tensor(math.nan, device=self.device))
+        on_device = torch.stack([*marks, self._loss_sum.double(), norm.double()]).tolist()
+        return gather_rows([*on_device[:3], float(self._micro_steps), on_device[3], wall,
+                            self.window.data_wait, self.window.forward_seconds(), *memory_gb(),
+                            self._state_bytes / 2**30], self.device)
 
-    def on_anomaly(self, found: anomaly.Anomaly) -> bool:
-        rules, s = self.guards.rules, self.state
-        action = {"rollback": "rolling back", "skip": "skipping its batch",
-                  "stop": "stopping"}[rules.policy]
-        if rules.policy == "skip" and found.reason == "non-finite loss":
-            action = "rolling back (the weights are not finite)"
-        self.logger.alert("anomaly", f"{found.describe()}: {action} (--on-anomaly "
-                                     f"{rules.policy})")
-        self.logger.log({"step": s.step, "consumed_samples": s.consumed_samples,
-                         "tokens_seen": s.tokens_seen, "event": action,
-                         "event/reason": found.describe(), "event/step": found.step})
-        batch = self._batch_of.get(found.step)
-        if batch is not None and batch >= 0:
-            self._skip_batch(batch, found)
-        if rules.policy == "stop":
-            raise Stopped(f"{found.describe()} (--on-anomaly stop; its batch is recorded in "
-                          f"{self.run_dir / rundir.SKIPPED})", anomaly.EXIT_ANOMALY)
-        if rules.policy == "skip" and found.reason != "non-finite loss":
-            self.guards.monitor.reset()
-            return False
-        self.rollback(found)
-        return True
-
-    def _skip_batch(self, batch: int, found: anomaly.Anomaly) -> None:
-        self.guards.skip = self.guards.skip | {batch}
-        if self.world.is_main:
-            start = batch * self.global_batch
-            rundir.add_skipped(self.run_dir, {
-                "step": found.step, "global_batch": batch,
-                "positions": [start, start + self.global_batch],
-                **self.guards.describe_batch(batch), "reason": found.describe()})
-
-    def rollback(self, found: anomaly.Anomaly) -> None:
-        """Back to the last checkpoint (written before the anomaly: saves follow clean checks),
-        without the skipped batches, with the LR cooled down for a while."""
-        rules, s = self.guards.rules, self.state
-        self._rollbacks = [x for x in self._rollbacks if x > s.step - rules.rollback_window]
-        self._rollbacks.append(s.step)
-        if len(self._rollbacks) > rules.max_rollbacks:
-            raise Stopped(f"{len(self._rollbacks)} rollbacks within {rules.rollback_window} steps "
-                          f"(steps {self._rollbacks}; the last: {found.describe()}); the evidence "
-                          f"is in {self.run_dir / rundir.METRICS} (events) and "
-                          f"{rundir.SKIPPED}", anomaly.EXIT_ANOMALY)
-        tag = checkpoint.latest_tag(self.ckpt_dir)
-        if tag is None:
-            raise Stopped(f"{found.describe()}, and no checkpoint to roll back to (save more "
-                          f"often: --save-every)", anomaly.EXIT_ANOMALY)
-        s.load_state_dict(checkpoint.load(self.engine, self.ckpt_dir, tag))  # cool-down too
+    def rewind(self, tag: str) -> None:
+        """The engine, the train state (its cool-down too) and the RNG from checkpoint `tag`:
+        a rollback (app.faults.recovery), which then moves the state past skipped batches."""
+        self.state.load_state_dict(checkpoint.load(self.engine, self.ckpt_dir, tag))
         checkpoint.restore_rng(self.ckpt_dir, tag, rank=self.world.rank)
-        s.consumed_samples = skip_ahead(s.consumed_samples, self.global_batch, self.guards.skip)
-        s.cooldown.begin(s.step, rules.cooldown_steps, rules.cooldown_factor)
-        apply_lr_schedule(self.engine)
-        self.batches = iter(self.train_batches(s.consumed_samples, self.guards.skip))
-        self.guards.monitor.reset()
-        self._reset_window()
-        self._batch_of = {}
-        self.logger.note(f"rolled back to {self.ckpt_dir / tag} (step {s.step}); the LR is "
-                         f"cooled down for {rules.cooldown_steps} steps")
 
-    def stop_for_signal(self) -> None:
-        """Some rank got SIGTERM/SIGUSR1/SIGINT: every rank saves the same checkpoint and the
-        run exits with EXIT_PREEMPTED (`--resume auto` continues exactly)."""
-        s = self.state
-        if not self.check() and self._last_save != s.step:
-            self.save()
-        saved = self.ckpt_dir / (checkpoint.latest_tag(self.ckpt_dir) or "(none)")
-        raise Stopped(f"a stop signal at step {s.step}: {saved} saved; run the same command "
-                      f"again to continue", EXIT_PREEMPTED)
+    def restart(self) -> None:
+        """After a rollback: the LR from the schedule (and cool-down) at the state's step, the
+        data from the state's position without the skipped batches, a new timing window."""
+        apply_lr_schedule(self.engine)
+        self.batches = iter(self.train_batches(self.state.consumed_samples,
+                                               self.guards.recovery.skip))
+        self._reset_window()
 
     # -- named calls ----------------------------------------------------------------------------
 
-    def log(self) -> None:
-        """Gather this window's figures from every rank (the only host sync of training: one
-        small all-gather) and log them."""
+    def log(self, rows: list[list[float]]) -> None:
+        """Log this window's figures, from every rank's row of the log step's `gather`."""
         s = self.state
-        wall = self.window.elapsed()  # syncs the device first
-        loss_sum = self._loss_sum.double().item()  # log-time host sync
-        rows = gather_rows([loss_sum, float(self._micro_steps), wall, self.window.data_wait,
-                            self.window.forward_seconds(), *memory_gb(),
-                            self._state_bytes / 2**30], self.device)
-        norm = (float(self._grad_norm) if self._grad_norm is not None
-                else reported_grad_norm(self.engine))
+        mine = rows[self.world.rank]
+        wall = mine[FIGURES]
+        norm = mine[GRAD_NORM] if self._grad_norm is not None else reported_grad_norm(self.engine)
         record = {"step": s.step, "consumed_samples": s.consumed_samples,
                   "tokens_seen": s.tokens_seen,
-                  "train/loss": sum(r[0] for r in rows) / max(sum(r[1] for r in rows), 1),
+                  "train/loss": (sum(r[LOSS_SUM] for r in rows)
+                                 / max(sum(r[MICRO_STEPS] for r in rows), 1)),
                   "train/lr": self._lr, "train/grad_norm": norm,
                   "train/loss_scale": loss_scale(self.engine),
                   "train/skipped_steps": self.engine.skipped_steps,
                   **self.data_figures(s.consumed_samples),
-                  **telemetry.interval([r[2:] for r in rows], s.step - self.window.first_step,
+                  **telemetry.interval([r[FIGURES:] for r in rows], s.step - self.window.first_step,
                                        self.shape)}
         self.logger.log(record)
         self.train_seconds += wall

@@ -4,7 +4,7 @@
 burst of someone else's load lands on one side. Here both sides live in one process and take
 turns in blocks of `--block` steps (`--rounds` times, the order alternating), so load hits both
 alike; the medians of the blocks' ms/step are compared. The app side is the app's own Trainer
-(`build_engine`/`build_trainer`, the real DeepSpeed engine, one rank, ZeRO-0, fp32, with its
+(app.build's `build`, the real DeepSpeed engine, one rank, ZeRO-0, fp32, with its
 telemetry and guards) and its loader; the plain side is the same model (preset, config, seed),
 on the same loader's batches, with torch's AdamW (the optimizer the app's engine runs on CPU), its
 LR schedule and clipping at 1.0, and a `.item()` every `--log-every` steps as the app.
@@ -30,14 +30,11 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from app.build import build  # noqa: E402
 from app.config import TrainConfig  # noqa: E402
-from app.runtime.device import detect  # noqa: E402
-from app.runtime.dist import init_distributed, world_from_env  # noqa: E402
-from app.train import build_engine, build_trainer, plan_run, run_shape  # noqa: E402
-from app.checkpoint.train_state import TrainState  # noqa: E402
+from app.schedule import schedule_fn  # noqa: E402
 from bench.bench_train import (BETAS, EPS, LR, MIN_LR_RATIO, WEIGHT_DECAY,  # noqa: E402
                                _model_and_batches, model_arguments)
-from app.schedule import schedule_fn  # noqa: E402
 from data_tools.manifest import load_manifest  # noqa: E402
 
 
@@ -58,12 +55,7 @@ def main() -> None:
                       seq_len=args.seq_len, micro_batch=args.micro_batch, max_steps=steps,
                       log_every=args.log_every, wandb="disabled", num_workers=0,
                       hang_timeout=3600, model_arg=args.model_arg)
-    device = detect()
-    plan = plan_run(cfg, device, world_from_env())
-    world = init_distributed(device)
-    engine, _ = build_engine(plan, TrainState().cooldown)
-    trainer = build_trainer(plan, engine, world, cfg.data, TrainState(), {},
-                            run_shape(plan, engine))
+    trainer = build(cfg).trainer
 
     model, loader = _model_and_batches(args, load_manifest(args.data))
     model.train()

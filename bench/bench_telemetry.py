@@ -7,8 +7,9 @@ process the instrumentation of a step is then timed on its own, with the trainer
   events), and the three watchdog beats;
 - per step: the anomaly monitor's observation (device arithmetic, no sync) and the train state's
   advance;
-- per log interval: the device sync, the one all-gather of every rank's figures, telemetry's
-  interval figures and the memory probe (divided by --log-every).
+- per log interval: the trainer's check-point gather (the device sync, one copy of the device
+  figures and the anomaly marks to the host, the memory probe, the one all-gather of every
+  rank's row) and telemetry's interval figures (divided by --log-every).
 
 Overhead = (per-step instrumentation + per-interval work / log_every) / the median step time,
 all measured in the same run. No host-device sync is added per step (tests/test_gpu_path.py
@@ -33,12 +34,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from app.telemetry import figures as telemetry  # noqa: E402
-from app.config import TrainConfig  # noqa: E402
-from app.runtime.device import detect, memory_gb, synchronize  # noqa: E402
-from app.runtime.dist import gather_rows, init_distributed, world_from_env  # noqa: E402
-from app.train import build_engine, build_trainer, plan_run, run_shape  # noqa: E402
+from app.build import build  # noqa: E402
 from app.checkpoint.train_state import TrainState  # noqa: E402
+from app.config import TrainConfig  # noqa: E402
+from app.runtime.device import synchronize  # noqa: E402
+from app.telemetry import figures as telemetry  # noqa: E402
+from app.trainer import FIGURES  # noqa: E402
 
 
 def per_call(fn, repeats: int) -> float:
@@ -69,12 +70,8 @@ def main() -> int:
                       micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                       max_steps=args.steps + 5, log_every=10 ** 9, wandb="disabled",
                       num_workers=0, hang_timeout=600)
-    device = detect()
-    plan = plan_run(cfg, device, world_from_env())
-    world = init_distributed(device)
-    state = TrainState()
-    engine, n_params = build_engine(plan, state.cooldown)
-    trainer = build_trainer(plan, engine, world, cfg.data, state, {}, run_shape(plan, engine))
+    built = build(cfg)
+    trainer, state, n_params, device = built.trainer, built.state, built.n_params, built.plan.device
 
     for _ in range(3):  # warm-up: allocator, first batches
         trainer.train_step()
@@ -88,7 +85,7 @@ def main() -> int:
     step = statistics.median(step_times)
 
     window, beat = trainer.window, trainer.guards.watchdog.beat
-    monitor, dev = trainer.guards.monitor, trainer.device
+    recovery, dev = trainer.guards.recovery, trainer.device
     loss = torch.tensor(3.0, device=dev)
 
     def micro_step():
@@ -104,18 +101,16 @@ def main() -> int:
     counter = iter(range(10 ** 9))
 
     def step_work():
-        monitor.observe(state.step + 1 + next(counter), loss)
+        recovery.observe(state.step + 1 + next(counter), 0, loss)
         probe_state.advance(trainer.global_batch, cfg.seq_len, frozenset())
 
     def interval_work():
-        wall = window.elapsed()
-        rows = gather_rows([1.0, float(args.log_every), wall, window.data_wait,
-                            window.forward_seconds(), *memory_gb()], dev)
-        telemetry.interval([r[2:] for r in rows], args.log_every, trainer.shape)
+        rows = trainer.gather(figures=True)
+        telemetry.interval([r[FIGURES:] for r in rows], args.log_every, trainer.shape)
 
     micro = per_call(micro_step, 2000)
     per_step = per_call(step_work, 2000)
-    monitor.reset()
+    recovery.monitor.reset()
     interval = per_call(interval_work, 200)
     overhead = micro * args.grad_accum + per_step + interval / args.log_every
     trainer.guards.watchdog.close()

@@ -8,16 +8,15 @@ learning rates each step applied.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import sys
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from app.build import build
 from app.config import TrainConfig
-from app.runtime.device import detect
-from app.runtime.dist import init_distributed, world_from_env
-from app.train import build_engine, build_trainer, plan_run, run_shape
-from app.checkpoint.train_state import TrainState
+from app.runtime.device import Device, detect
 
 # ops that wait for the device to hand a value to the host
 SYNCS = {"aten.nonzero", "aten.item", "aten._local_scalar_dense", "aten.is_nonzero",
@@ -36,19 +35,24 @@ class SyncProbe(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedAdamDevice(Device):
+    """The detected device, with DeepSpeed's own (fused) Adam as on an accelerator: on CPU the
+    app picks torch's (Device.torch_adam), whose bias correction reads the step on the host."""
+
+    @property
+    def torch_adam(self) -> bool:
+        return False
+
+
 def trainer_for(data: str, out: str, objective: str, zero: int, steps: int):
     cfg = TrainConfig(data=data, out=out, seq_len=64, micro_batch=4, max_steps=steps,
                       warmup_steps=2, log_every=1000, wandb="disabled", num_workers=0, zero=zero,
                       objective=objective)
-    device = detect()
-    plan = plan_run(cfg, device, world_from_env())
-    # DeepSpeed's own (fused) Adam, as on an accelerator; on CPU the app picks torch's
-    # (Device.torch_adam), whose bias correction reads the step on the host
-    plan.ds_config["optimizer"]["params"]["torch_adam"] = False
-    world = init_distributed(device)
-    state = TrainState()
-    engine, _ = build_engine(plan, state.cooldown)
-    return build_trainer(plan, engine, world, cfg.data, state, {}, run_shape(plan, engine)), plan
+    found = detect()
+    device = FusedAdamDevice(**{f.name: getattr(found, f.name) for f in dataclasses.fields(found)})
+    built = build(cfg, device)
+    return built.trainer, built.plan
 
 
 def syncs(trainer) -> dict:

@@ -17,7 +17,7 @@ from app.faults.anomaly import POLICIES
 from app.runtime.device import PRECISIONS, Device, resolve_precision
 from app.runtime.ds_config import CONFIG_DIR, fill_auto, load_ds_config, settle_precision, zero_stage
 from app.schedule import DECAYS
-from app.train import batch_geometry
+from app.settle import batch_geometry
 from data_tools.cli import field_docs
 from data_tools.errors import Parser, UserError
 from tests.helpers import TINY, check, run_app, train_losses

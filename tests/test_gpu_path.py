@@ -118,7 +118,7 @@ def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_allows(bf16_runs):
 def test_bf16_without_a_stage_defaults_to_zero1(mlm_dataset, tmp_path):
     from app.config import TrainConfig
     from app.runtime.dist import World
-    from app.train import plan_run
+    from app.settle import plan_run
 
     cpu_bf16 = Device("cpu", "gloo", False, True, False)
     cfg = TrainConfig(data=mlm_dataset, out=tmp_path / "r", precision="bf16")

@@ -151,7 +151,7 @@ def test_plan_settles_the_run_before_any_process_group(mlm_dataset, tmp_path):
     from app.config import TrainConfig, add_arguments
     from app.runtime.device import detect
     from app.runtime.dist import World
-    from app.train import plan_run
+    from app.settle import plan_run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -160,11 +160,12 @@ def test_plan_settles_the_run_before_any_process_group(mlm_dataset, tmp_path):
                               "--max-steps", "100", "--max-tokens", "5000", "--lr", "3e-4",
                               "--zero", "2"])
     plan = plan_run(TrainConfig.from_args(args), detect(), World(0, 2, 0, 2))
-    assert (plan.micro_batch, plan.grad_accum, plan.global_batch) == (4, 2, 16)
+    ds = plan.ds_config  # the batch sizes, as the engine reads them
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"],
+            ds["train_batch_size"]) == (4, 2, 16)
     assert plan.total_steps == 5  # ceil(5000 tokens / (16 x 64 tokens a step))
-    assert plan.warmup_steps == 1 and plan.precision == "fp32" and plan.has_eval
-    ds = plan.ds_config
-    assert ds["train_batch_size"] == 16 and ds["zero_optimization"]["stage"] == 2
+    assert plan.warmup_steps == 1 and plan.precision == "fp32" and plan.eval_sources == (0,)
+    assert ds["zero_optimization"]["stage"] == 2
     assert ds["optimizer"]["params"]["lr"] == 3e-4 and ds["bf16"]["enabled"] is False
     vocab = json.loads((mlm_dataset / "dataset.json").read_text())["vocab_size"]
     assert (vocab, plan.model_config.vocab_size) == (2000, 2048)  # padded to a multiple of 128

@@ -5,8 +5,9 @@ Each optimizer step, every rank compares its step loss with its recent history: 
 infinity, or a spike (more than `z` standard deviations and `rise` above the recent mean) marks
 the step. All of it is device arithmetic: nothing waits for the device per step. The marks are
 read at the log interval and before every save (so a checkpoint is only ever written after a
-clean check: every kept checkpoint predates any anomaly), gathered from every rank, and the
-earliest marked step decides. The policy then rolls back (app.trainer), skips or stops.
+clean check: every kept checkpoint predates any anomaly), gathered from every rank in the check
+point's one all-gather, and the earliest marked step decides. The policy then rolls back, skips
+or stops (app.faults.recovery).
 """
 from __future__ import annotations
 
@@ -42,8 +43,6 @@ class Rules:
     """After a rollback the LR starts at `cooldown_factor` x the schedule and returns to it
     linearly over this many steps."""
     cooldown_factor: float = 0.1
-    loss_scale_patience: int = 3
-    """fp16: the loss scale at its minimum for this many log intervals in a row is an anomaly."""
 
 
 @dataclass(frozen=True)
@@ -88,9 +87,10 @@ class LossMonitor:
         self.history[self._slot] = torch.where(bad, self.history[self._slot], loss)
         self._slot = (self._slot + 1) % self.rules.window
 
-    def marks(self) -> tuple[float, float]:
-        """(first anomalous step or -1, its loss): read at a check point (a host sync)."""
-        return float(self.first_bad.item()), float(self.bad_loss.item())
+    def marks(self) -> torch.Tensor:
+        """[first anomalous step or -1, its loss] (float64, on the device): the caller copies
+        it to the host with its other figures at a check point (one sync for all of them)."""
+        return torch.stack([self.first_bad, self.bad_loss])
 
 
 def earliest(rows: list[tuple[float, float]]) -> Anomaly | None:

@@ -1,5 +1,7 @@
 """Switches that make a run misbehave on purpose, for the tests that show the app copes
-(docs/design.md, "Faults"): read from the environment, off unless a test sets them.
+(docs/design.md, "Faults"): read from the environment, off unless a test sets them. They are
+applied once at start-up (`slow_loaders` and `install`, called by app.build; `die_in_save` by
+app.checkpoint.store), so the training loop's source holds no test lines.
 
     DSPRETRAIN_TEST_SLOW_LOADER=RANK:SECONDS   that rank waits SECONDS more for every micro batch
                                                (a starved loader: telemetry must name the rank)
@@ -11,25 +13,51 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 
-def slow_loader(batches: Iterable, rank: int,
-                env: Mapping[str, str] = os.environ) -> Iterable:
-    """`batches`, delayed on the rank DSPRETRAIN_TEST_SLOW_LOADER names (unchanged otherwise)."""
+def slow_loaders(loaders: Callable[..., Iterable], rank: int,
+                 env: Mapping[str, str] = os.environ) -> Callable[..., Iterable]:
+    """`loaders` (a factory of train loaders), its loaders delayed on the rank
+    DSPRETRAIN_TEST_SLOW_LOADER names (unchanged otherwise)."""
     spec = env.get("DSPRETRAIN_TEST_SLOW_LOADER")
     if not spec:
-        return batches
+        return loaders
     slow_rank, seconds = spec.split(":")
     if int(slow_rank) != rank:
-        return batches
-    return _delayed(batches, float(seconds))
+        return loaders
+    return lambda *args, **kwargs: _delayed(loaders(*args, **kwargs), float(seconds))
 
 
 def _delayed(batches: Iterable, seconds: float) -> Iterator:
     for batch in batches:
         time.sleep(seconds)
         yield batch
+
+
+def install(trainer, env: Mapping[str, str] = os.environ) -> None:
+    """Apply DSPRETRAIN_TEST_POISON and DSPRETRAIN_TEST_HANG to a built app.trainer.Trainer:
+    the engine's forward poisons the loss of the global batch being trained on, and the hung
+    rank's `train_step` stops at its step."""
+    if env.get("DSPRETRAIN_TEST_POISON"):
+        forward, state = trainer.engine.forward, trainer.state
+
+        def poisoned_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            if out.loss is not None:  # the global batch of the step being trained
+                out.loss = poisoned(out.loss, state.consumed_samples // trainer.global_batch,
+                                    env)
+            return out
+
+        trainer.engine.forward = poisoned_forward  # an nn.Module calls its instance's forward
+    if env.get("DSPRETRAIN_TEST_HANG"):
+        train_step = trainer.train_step
+
+        def hanging_step() -> None:
+            hang_here(trainer.world.rank, trainer.state.step + 1, env)
+            train_step()
+
+        trainer.train_step = hanging_step
 
 
 def poisoned(loss, global_batch: int, env: Mapping[str, str] = os.environ):

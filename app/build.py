@@ -1,0 +1,316 @@
+"""One way to build a run: `build(cfg)` takes a TrainConfig and returns the run ready to
+train (`Built`), for `app train` (app/train.py), the benchmarks (bench/) and the tests.
+
+plan (app/settle.py: checked before any process group) -> run directory (main rank) -> stage
+data -> join the group -> engine -> resume -> Trainer. One TrainState is made here: the engine's
+LR schedule and the Trainer's recovery share its cool-down by construction. The parts (`_engine`,
+`_trainer`, `_loaders`, `_guards`) are this module's own: nothing else assembles a Trainer.
+"""
+from __future__ import annotations
+
+import platform
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from app import rundir
+from app.checkpoint import store as checkpoint
+from app.checkpoint import universal
+from app.checkpoint.train_state import TrainState
+from app.config import TrainConfig
+from app.data.order import skip_ahead
+from app.data.sources import Sources
+from app.faults import anomaly
+from app.faults import injection as faults
+from app.faults.preemption import StopRequests
+from app.faults.recovery import Recovery
+from app.faults.watchdog import Watchdog
+from app.model import build_model, count_parameters, optimizer_groups
+from app.runtime.device import ComputeClock, Device, detect, enable_tf32, set_cpu_threads
+from app.runtime.dist import World, adopt_launcher_env, barrier, init_distributed, world_from_env
+from app.runtime.ds_config import zero_stage
+from app.runtime.engine import engine_facts, initialize, versions
+from app.settle import Plan, plan_run
+from app.telemetry import figures as telemetry
+from app.telemetry.flops import ModelShape, flops_per_token, head_fraction
+from app.telemetry.sinks import MetricsLogger, WandbSettings, wandb_mode
+from app.trainer import EvalSet, Guards, Schedule, Trainer
+from data_tools import output
+from data_tools.errors import UserError
+from data_tools.manifest import TOKENIZER_DIR
+from data_tools.output import write_json_atomic
+
+
+@dataclass(frozen=True)
+class Built:
+    """A run ready to train: `built.trainer.fit()`, then `built.trainer.close()`."""
+
+    plan: Plan
+    world: World
+    engine: Any
+    """The DeepSpeed engine; its LR schedule is the plan's times `state.cooldown`."""
+    state: TrainState
+    """The one train state: the Trainer advances it, a rollback cools its LR down."""
+    trainer: Trainer
+    n_params: int
+    data_dirs: list[Path]
+    """Where each dataset is read from (the staged copies with --stage-to)."""
+
+
+def build(cfg: TrainConfig, device: Device | None = None) -> Built:
+    """Config in, ready trainer out. `device`: the detected one unless a caller (a probe)
+    passes a variant of it."""
+    device = device or detect()
+    threads = set_cpu_threads(device)
+    adopt_launcher_env()  # ranks from MPI/Slurm launchers, once, before anything reads them
+    plan = plan_run(cfg, device, world_from_env())
+    if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
+        prepare_run_dir(cfg, plan.resume)
+        if plan.switch.convert:  # once, next to the checkpoint (checkpoint.load reuses it)
+            universal.ensure(*plan.resume, checkpoint.read_state(*plan.resume), plan.switch.now)
+    data_dirs = (stage_data(cfg, plan.sources, plan.world) if cfg.stage_to
+                 else list(plan.sources.paths))
+    enable_tf32(device, plan.precision, cfg.tf32)
+    world = init_distributed(device, timeout_minutes=cfg.dist_timeout)
+    barrier()
+    state = TrainState()  # the one state: the engine's LR schedule reads its cool-down
+    engine, n_params = _engine(plan, state.cooldown)
+    torch.manual_seed(dropout_seed(cfg.seed, world.rank))
+    state.facts = state_facts(plan, engine, world)
+    if plan.resume is not None:
+        state.load_state_dict(checkpoint.load(engine, *plan.resume))
+        checkpoint.restore_rng(*plan.resume, rank=world.rank)
+        if world.is_main:
+            print(f"resumed from {plan.resume[0] / plan.resume[1]} at step {state.step}",
+                  file=sys.stderr)
+    run_config = describe_run(plan, engine, world, data_dirs, n_params, threads)
+    shape = run_shape(plan, engine)
+    if world.is_main:
+        record_run(plan, engine, run_config, data_dirs[0], n_params, shape)
+    trainer = _trainer(plan, engine, world, data_dirs, state, run_config, shape)
+    faults.install(trainer)  # the tests' DSPRETRAIN_TEST_* switches (none in a real run)
+    return Built(plan=plan, world=world, engine=engine, state=state, trainer=trainer,
+                 n_params=n_params, data_dirs=data_dirs)
+
+
+def state_facts(plan: Plan, engine, world: World) -> dict[str, Any]:
+    """What every checkpoint of this run records about it (app.checkpoint.train_state)."""
+    return {"world_size": world.world_size, "global_batch": engine.train_batch_size(),
+            "dataset_fingerprint": plan.sources.fingerprint,
+            **({"mixture": plan.sources.record()} if plan.sources.is_mixture else {}),
+            "model_config": plan.model_config.to_dict(), "run_config": plan.cfg.to_dict(),
+            "ds_config": plan.ds_config,
+            "flat_master_groups": checkpoint.flat_master_groups(engine),
+            **asdict(plan.switch.now), "history": list(plan.switch.history)}
+
+
+def prepare_run_dir(cfg: TrainConfig, resume: tuple[Path, str] | None) -> None:
+    """Main rank, before the process group: clear (--overwrite), create and mark RUN_DIR, and
+    remove what an interrupted save left (tags newer than `latest`)."""
+    if cfg.overwrite and resume is None and rundir.is_run_dir(cfg.out):
+        rundir.clear(cfg.out)
+    rundir.create(cfg.out)
+    if cfg.resume != "auto":
+        return
+    for tag in checkpoint.remove_partial_saves(cfg.out / rundir.CHECKPOINTS):
+        print(f"removed {cfg.out / rundir.CHECKPOINTS / tag}: an interrupted save (`latest` "
+              f"names an earlier checkpoint)", file=sys.stderr)
+
+
+def stage_data(cfg: TrainConfig, sources: Sources, world: World) -> list[Path]:
+    """Copy the datasets to node-local --stage-to (a mixture's each to its own subdirectory),
+    before the process group exists (a copy may take longer than any collective's timeout).
+    Every rank calls it: one rank a node copies, the others wait on the destination's lock and
+    then find the copy complete (data_tools.stage)."""
+    from data_tools.stage import stage  # lazily: only runs that stage need it
+
+    dirs = sources.staged(cfg.stage_to)
+    for source, dst in zip(sources.items, dirs):
+        try:
+            stage(source.path, dst, progress=world.local_rank == 0)
+        except UserError as e:
+            raise UserError(f"--stage-to {cfg.stage_to}: {e}") from None
+    return dirs
+
+
+def dropout_seed(seed: int, rank: int) -> int:
+    """Each rank's torch RNG seed for dropout: a stream per rank, apart from the weights' seed
+    (`seed` itself; 1_000_003 is a prime above any rank count, so no two (seed, rank) meet)."""
+    return seed * 1_000_003 + rank + 1
+
+
+def _engine(plan: Plan, cooldown: anomaly.Cooldown):
+    """The model (same seed, same weights on every rank) inside the DeepSpeed engine; its LR
+    schedule is the plan's times the cool-down after a rollback (part of the train state)."""
+    cfg = plan.cfg
+    # ZeRO-3: built partitioned (no rank holds the whole model), same weights as ZeRO 0-2
+    zero3 = plan.ds_config if zero_stage(plan.ds_config) == 3 else None
+    model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
+                        seed=cfg.seed, for_training=True, zero3_config=zero3)
+    n_params = count_parameters(model)
+    engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown),
+                        optimizer_groups(model, cfg.weight_decay))
+    if cfg.compile:
+        engine.compile()
+    return engine, n_params
+
+
+def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
+               n_params: int, shape: telemetry.RunShape) -> None:
+    """Main rank: the start-up banner, RUN_DIR/config.json and the run's copy of the tokenizer."""
+    cfg, world = plan.cfg, plan.world
+    print(f"model: {cfg.model_name} ({plan.objective}), {n_params / 1e6:.2f}M parameters, "
+          f"{plan.precision}, ZeRO-{zero_stage(plan.ds_config)}, {world.world_size} rank(s) "
+          f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
+          f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
+          file=sys.stderr)
+    print(telemetry.banner(shape, nodes=run_config["environment"]["nodes"],
+                           total_steps=plan.total_steps, device=plan.device.model),
+          file=sys.stderr)
+    write_json_atomic(cfg.out / rundir.RUN_CONFIG, run_config)
+    tok_src = data_dir / plan.manifest["tokenizer"].get("dir", TOKENIZER_DIR)
+    if tok_src.is_dir():
+        with output.writing(cfg.out / rundir.TOKENIZER_DIR):
+            shutil.copytree(tok_src, cfg.out / rundir.TOKENIZER_DIR, dirs_exist_ok=True)
+
+
+def describe_run(plan: Plan, engine, world: World, data_dirs: list[Path], n_params: int,
+                 threads: int | None) -> dict[str, Any]:
+    """RUN_DIR/config.json: the resolved run, the DeepSpeed config and the environment."""
+    cfg = plan.cfg
+    return {
+        "run": cfg.to_dict(),
+        "model": {"preset": cfg.model_name, "objective": plan.objective,
+                  "parameters": n_params, "config": plan.model_config.to_dict()},
+        "batch": {"micro_batch": engine.train_micro_batch_size_per_gpu(),
+                  "grad_accum": engine.gradient_accumulation_steps(),
+                  "global_batch": engine.train_batch_size(),
+                  "global_batch_tokens": engine.train_batch_size() * cfg.seq_len},
+        "schedule": {"total_steps": plan.total_steps, "warmup_steps": plan.warmup_steps,
+                     "decay": cfg.lr_decay, "lr": cfg.lr, "min_lr_ratio": cfg.min_lr_ratio},
+        "precision": plan.precision,
+        "zero_stage": zero_stage(plan.ds_config),
+        "history": list(plan.switch.history),
+        "ds_config_file": str(plan.ds_path),
+        "ds_config": plan.ds_config,
+        "engine": engine_facts(engine),
+        "data": describe_data(plan, data_dirs),
+        "environment": {"world_size": world.world_size,
+                        "local_world_size": world.local_world_size,
+                        "nodes": max(1, world.world_size // max(1, world.local_world_size)),
+                        "device": plan.device.as_dict(), "cpu_threads_per_rank": threads,
+                        "hostname": platform.node(), "python": platform.python_version(),
+                        **versions()},
+    }
+
+
+def describe_data(plan: Plan, data_dirs: list[Path]) -> dict[str, Any]:
+    """config.json's "data": where the dataset was read from; for a mixture every source (name,
+    path, weight, its quantised share, fingerprint, where it was read from)."""
+    sources, staged = plan.sources, plan.cfg.stage_to is not None
+    common = {"staged": staged, "fingerprint": sources.fingerprint,
+              "vocab_size": plan.manifest["vocab_size"]}
+    if not sources.is_mixture:
+        return {"source": str(sources.paths[0]), "read_from": str(data_dirs[0]), **common}
+    return {"mixture": [{**entry, "read_from": str(d)}
+                        for entry, d in zip(sources.record(), data_dirs)], **common}
+
+
+def run_shape(plan: Plan, engine) -> telemetry.RunShape:
+    """What telemetry needs to turn times into throughput and MFU (docs: app/telemetry/flops.py)."""
+    cfg = plan.cfg
+    per_token = flops_per_token(ModelShape.from_config(plan.model_config), cfg.seq_len,
+                                head_fraction(plan.objective, cfg.mask_prob))
+    peak = telemetry.peak_tflops(plan.device.model, plan.precision, tf32=cfg.tf32,
+                                 override=cfg.peak_tflops)
+    return telemetry.RunShape(global_batch=engine.train_batch_size(), seq_len=cfg.seq_len,
+                              world_size=plan.world.world_size, flops_per_token=per_token,
+                              peak_tflops=peak)
+
+
+def _trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state: TrainState,
+                  run_config: dict[str, Any], shape: telemetry.RunShape) -> Trainer:
+    """The loop with its loaders (`data_dirs`: where each dataset is read from), logger,
+    schedule and guards."""
+    cfg = plan.cfg
+    train_spec, train_batches, eval_sets = _loaders(plan, engine, world, data_dirs)
+    wandb = WandbSettings(mode=wandb_mode(cfg.wandb), project=cfg.wandb_project,
+                          name=cfg.run_name or cfg.out.resolve().name, group=cfg.wandb_group,
+                          tags=tuple(cfg.wandb_tags))
+    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb=wandb, run_config=run_config,
+                           resumed_step=state.step if plan.resume else None)
+    schedule = Schedule(total_steps=plan.total_steps,
+                        stop_step=min(cfg.stop_at_step or plan.total_steps, plan.total_steps),
+                        log_every=cfg.log_every, eval_every=cfg.eval_every,
+                        save_every=cfg.save_every, keep_last=cfg.keep_last,
+                        skip_failed_saves=cfg.save_errors == "skip")
+    guards = _guards(plan, world, state, engine, train_spec, logger)
+    return Trainer(engine=engine, world=world, device=plan.device.torch_device(world.local_rank),
+                   schedule=schedule, state=state, seq_len=cfg.seq_len, objective=plan.objective,
+                   train_batches=train_batches, eval_sets=eval_sets, logger=logger,
+                   run_dir=cfg.out, shape=shape, compute_clock=ComputeClock(plan.device),
+                   guards=guards, data_figures=lambda position: plan.sources.epochs(
+                       position, plan.train_samples))
+
+
+def _loaders(plan: Plan, engine, world: World,
+            data_dirs: list[Path]) -> tuple[Any, Callable, list[EvalSet]]:
+    """(the train data's spec, its loader from a stream position without the skipped batches,
+    the eval sets) of this rank; batch sizes read back from the engine, which owns them."""
+    from app.data.loader import (DataSpec, MixtureSpec, build_eval_loader, build_train_loader,
+                                 default_num_workers)
+
+    cfg, sources = plan.cfg, plan.sources
+    workers = (cfg.num_workers if cfg.num_workers is not None
+               else default_num_workers(world.local_world_size))
+    pin = plan.device.pin_memory
+    micro = engine.train_micro_batch_size_per_gpu()
+
+    def spec(split: str, i: int) -> DataSpec:  # a mixture's sources each with its own seed
+        return DataSpec(data_dirs[i], split, cfg.seq_len, plan.objective, cfg.packing,
+                        sources.seed(cfg.seed, i), cfg.mask_prob)
+
+    train_spec = (MixtureSpec(tuple(spec("train", i) for i in range(len(data_dirs))),
+                              tuple(sources.names), tuple(s.weight for s in sources.items))
+                  if sources.is_mixture else spec("train", 0))
+
+    def train_batches(consumed: int, skip: frozenset[int]):
+        return build_train_loader(
+            train_spec, micro_batch=micro, global_batch=engine.train_batch_size(),
+            dp_rank=world.rank, dp_size=world.world_size, consumed_samples=consumed,
+            num_workers=workers, pin_memory=pin, skip=skip)
+
+    def eval_set(i: int) -> EvalSet:
+        return EvalSet(name=sources.names[i] if sources.is_mixture else None,
+                       weight=sources.items[i].weight,
+                       batches=lambda: build_eval_loader(
+                           spec("val", i), micro_batch=micro, dp_rank=world.rank,
+                           dp_size=world.world_size, max_samples=cfg.eval_samples,
+                           num_workers=0, pin_memory=pin))
+
+    return (train_spec, faults.slow_loaders(train_batches, world.rank),
+            [eval_set(i) for i in plan.eval_sources])
+
+
+def _guards(plan: Plan, world: World, state: TrainState, engine, train_spec,
+                 logger: MetricsLogger) -> Guards:
+    """Anomaly recovery (its rules and monitor, the skipped batches: every rank reads them, a
+    resume skips them too), the agreed stop signals, the watchdog."""
+    from app.data.loader import batch_samples
+
+    cfg, gbs = plan.cfg, engine.train_batch_size()
+    rules = anomaly.Rules(policy=cfg.on_anomaly, window=cfg.spike_window, z=cfg.spike_z,
+                          rise=cfg.spike_rise, max_rollbacks=cfg.max_rollbacks,
+                          cooldown_steps=cfg.cooldown_steps, cooldown_factor=cfg.cooldown_factor)
+    skip = rundir.read_skipped(cfg.out)
+    state.consumed_samples = skip_ahead(state.consumed_samples, gbs, skip)
+    recovery = Recovery(
+        rules=rules, monitor=anomaly.LossMonitor(rules, plan.device.torch_device(world.local_rank)),
+        skip=skip, describe_batch=lambda g: batch_samples(train_spec, g, gbs), state=state,
+        global_batch=gbs, run_dir=cfg.out, logger=logger, is_main=world.is_main)
+    return Guards(recovery=recovery, stops=StopRequests(world.world_size > 1),
+                  watchdog=Watchdog(cfg.hang_timeout, world.rank))

@@ -1,0 +1,300 @@
+"""The plan of a run: everything `app train` settles and checks before any process group
+starts (the datasets, the model config, the DeepSpeed config with every "auto" filled, the LR
+schedule, the checkpoint to resume and its layout), so bad input fails fast, on every rank, with
+one line. Nothing here writes: app/build.py acts on the plan.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from app import rundir
+from app.checkpoint import store as checkpoint
+from app.checkpoint.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
+from app.config import TrainConfig
+from app.data.sources import Source, Sources, read_sources
+from app.model import build_config, max_positions, parse_overrides, preset
+from app.runtime.device import Device, attention_implementation
+from app.runtime.dist import World
+from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, validate_ds_config,
+                                   zero_config_path, zero_stage)
+from app.schedule import schedule_fn
+from data_tools.errors import UserError
+from data_tools.manifest import TOKENIZER_DIR, tokenizer_fingerprint
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Everything settled before the process group starts (so bad input fails fast everywhere).
+    The batch sizes are in `ds_config`: the engine reads them from there and owns them."""
+
+    cfg: TrainConfig
+    device: Device
+    world: World
+    sources: Sources
+    """The dataset, or the datasets of a mixture, checked (app/data/sources.py)."""
+    manifest: dict[str, Any]
+    """The (first) dataset's manifest: vocabulary and special ids, shared by a mixture."""
+    model_config: Any
+    objective: str
+    ds_config: dict[str, Any]
+    """The DeepSpeed config with every "auto" filled."""
+    ds_path: Path
+    precision: str
+    total_steps: int
+    warmup_steps: int
+    lr_lambda: Callable[[int], float]
+    """The LR schedule, a multiplier of the peak LR per optimizer step."""
+    train_samples: tuple[int, ...]
+    """Each dataset's train samples (an epoch)."""
+    eval_sources: tuple[int, ...]
+    """The datasets with a val split to evaluate on."""
+    resume: tuple[Path, str] | None
+    """(checkpoint dir, tag) to resume from."""
+    switch: Switch
+    """The checkpoint's layout against this run's, and the run's layout history."""
+
+
+def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
+    """Settle and check the run (prints the start-up data lines on the main rank)."""
+    sources = read_sources(cfg.data)
+    for source in sources.items:
+        check_tokenizer_copy(source.path, source.manifest)
+    manifest = sources.manifest
+    ds_path, raw_ds, precision = settle_deepspeed(cfg, device, world.is_main)
+    objective, model_config = settle_model(cfg, manifest, device, precision)
+    stats, eval_sources = settle_data(cfg, sources, objective, world.is_main)
+    micro, accum, gbs = batch_geometry(cfg, world.world_size)
+    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs)
+    ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
+                   precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                   weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
+                   torch_adam=device.torch_adam, hidden_size=model_config.hidden_size)
+    for warning in validate_ds_config(ds, ds_path):
+        if world.is_main:
+            print(f"warning: {warning}", file=sys.stderr)
+    resume = settle_resume(cfg, sources, model_config, objective)
+    switch = settle_switch(resume, ds, world, gbs)
+    if world.is_main:
+        print_data(sources, stats, cfg.seq_len, gbs, total_steps)
+    return Plan(cfg=cfg, device=device, world=world, sources=sources, manifest=manifest,
+                model_config=model_config, objective=objective, ds_config=ds, ds_path=ds_path,
+                precision=precision, total_steps=total_steps, warmup_steps=warmup,
+                lr_lambda=lr_lambda,
+                train_samples=tuple(st["num_samples"] for st in stats),
+                eval_sources=eval_sources, resume=resume, switch=switch)
+
+
+def print_data(sources: Sources, stats: list[dict[str, Any]], seq_len: int, gbs: int,
+               total_steps: int) -> None:
+    """The start-up data lines: samples, tokens, epochs over the run (per source of a mix)."""
+    samples = total_steps * gbs
+    if sources.is_mixture:
+        for source, share, st in zip(sources.items, sources.mixture.fractions, stats):
+            print(f"data: {source.name} ({source.path}), weight {share:.3f}: "
+                  f"{st['num_samples']:,} train samples ({st['tokens']:,} tokens); "
+                  f"{samples * share / st['num_samples']:.2f} epochs over the run",
+                  file=sys.stderr)
+        print(f"data: a mixture of {len(stats)} datasets; {gbs} samples = {gbs * seq_len:,} "
+              f"tokens per step", file=sys.stderr)
+        return
+    st = stats[0]
+    print(f"data: {st['num_samples']:,} train samples of {seq_len} tokens "
+          f"({st['tokens']:,} tokens); {gbs} samples = {gbs * seq_len:,} tokens per "
+          f"step; {total_steps} steps = {samples / st['num_samples']:.2f} epochs",
+          file=sys.stderr)
+
+
+def settle_deepspeed(cfg: TrainConfig, device: Device,
+                     is_main: bool) -> tuple[Path, dict[str, Any], str]:
+    """(ds_config path, its contents, precision). Without --zero or --ds-config: ZeRO-0, or
+    ZeRO-1 for bf16, where DeepSpeed accumulates and all-reduces gradients in fp32 (at ZeRO-0 it
+    refuses fp32 accumulation with bf16 weights: gradients would be summed in bf16)."""
+    ds_path = cfg.ds_config or zero_config_path(cfg.zero or 0)
+    raw_ds = load_ds_config(ds_path)
+    precision = settle_precision(raw_ds, cfg.precision, device, ds_path)
+    if precision == "bf16" and zero_stage(raw_ds) == 0:
+        if cfg.zero is None and cfg.ds_config is None:
+            ds_path = zero_config_path(1)
+            raw_ds = load_ds_config(ds_path)
+        elif is_main:
+            print("warning: bf16 at ZeRO-0 accumulates and all-reduces gradients in bf16; "
+                  "DeepSpeed allows fp32 accumulation from ZeRO-1 on (--zero 1: the same "
+                  "communication volume, optimizer states sharded)", file=sys.stderr)
+    return ds_path, raw_ds, precision
+
+
+def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
+                 precision: str) -> tuple[str, Any]:
+    """(objective, model config): the preset with the dataset's vocabulary and special ids."""
+    p = preset(cfg.model_name)
+    objective = cfg.objective or p.objective
+    if objective != p.objective:
+        raise UserError(f"--objective {objective}: preset {cfg.model_name} is "
+                        f"{'an encoder (mlm)' if p.objective == 'mlm' else 'a decoder (clm)'}")
+    eod = manifest["eod_token_id"]
+    special = {"pad_token_id": manifest.get("pad_token_id")}
+    if objective == "clm":
+        special.update(bos_token_id=manifest.get("bos_token_id", eod), eos_token_id=eod)
+    attn = attention_implementation(cfg.attn, device, precision, cfg.packing)
+    model_config = build_config(cfg.model_name, vocab_size=int(manifest["vocab_size"]),
+                                special_ids=special, overrides=parse_overrides(cfg.model_arg),
+                                dropout=cfg.dropout, attn_implementation=attn,
+                                pad_vocab_to=cfg.pad_vocab_to)
+    if cfg.seq_len > max_positions(model_config):
+        raise UserError(f"--seq-len {cfg.seq_len}: above the {max_positions(model_config)} "
+                        f"positions of {cfg.model_name} (raise it with --model-arg)")
+    return objective, model_config
+
+
+def settle_data(cfg: TrainConfig, sources: Sources, objective: str,
+                is_main: bool) -> tuple[list[dict[str, Any]], tuple[int, ...]]:
+    """(each dataset's train split figures, the datasets with a val split to evaluate on), from
+    dataset.json."""
+    from app.data.loader import DataSpec, dataset_stats  # the data side (loaders) of the app
+
+    def stats(source: Source, split: str) -> dict[str, Any]:
+        return dataset_stats(DataSpec(source.path, split, cfg.seq_len, objective, cfg.packing,
+                                      cfg.seed, cfg.mask_prob), source.manifest)
+
+    train, with_eval = [], []
+    for i, source in enumerate(sources.items):
+        train.append(stats(source, "train"))
+        splits = source.manifest["splits"]
+        if "val" not in splits or not splits["val"]["shards"]:
+            continue
+        try:
+            stats(source, "val")
+            with_eval.append(i)
+        except UserError as e:
+            if is_main:
+                print(f"no evaluation{f' of {source.name}' if sources.is_mixture else ''}: {e}",
+                      file=sys.stderr)
+    return train, tuple(with_eval)
+
+
+def settle_schedule(cfg: TrainConfig, global_batch: int) -> tuple[int, int, Callable]:
+    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens."""
+    total_steps = cfg.max_steps
+    if cfg.max_tokens is not None:
+        total_steps = min(total_steps, math.ceil(cfg.max_tokens / (global_batch * cfg.seq_len)))
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
+    return total_steps, warmup, schedule_fn(warmup_steps=warmup, total_steps=total_steps,
+                                            decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)
+
+
+def settle_resume(cfg: TrainConfig, sources: Sources, model_config,
+                  objective: str) -> tuple[Path, str] | None:
+    """The checkpoint to resume from, checked against this run (or None)."""
+    resume = check_run_dir(cfg, sources)
+    if resume is None:
+        return None
+    where = resume[0] / resume[1]
+    state = checkpoint.read_state(*resume)
+    sources.check_resume(state.get("mixture"), where)
+    checkpoint.check_resumable(state, fingerprint=sources.fingerprint,
+                               model_config=model_config.to_dict(),
+                               sample_layout=sample_layout(cfg, objective), where=where)
+    checkpoint.check_files(where)
+    return resume
+
+
+@dataclass(frozen=True)
+class Switch:
+    """How this run's layout relates to the checkpoint it resumes (app/checkpoint/universal.py)."""
+
+    saved: Layout | None
+    now: Layout
+    history: tuple[dict[str, Any], ...]
+    """Every layout the run has had: {"step", "zero_stage", "world_size", "precision",
+    "offload"}, one entry per change (checkpoints and config.json record it)."""
+    convert: bool
+    """The checkpoint is not loadable as it is: load its universal form."""
+
+
+def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: World,
+                  global_batch: int) -> Switch:
+    """Compare the checkpoint's layout with this run's; say what changes."""
+    now = layout_of(ds, world.world_size)
+    entry = {"step": 0, **asdict(now)}
+    if resume is None:
+        return Switch(None, now, (entry,), False)
+    state = checkpoint.read_state(*resume)
+    saved = saved_layout(state)
+    history = tuple(state.get("history") or ({"step": 0, **asdict(saved)},))
+    tag_dir = resume[0] / resume[1]
+    convert = not is_universal(tag_dir) and not saved.loads_natively(now)
+    why_not = convertible_into(now) if convert or is_universal(tag_dir) else None
+    if why_not:
+        raise UserError(f"{tag_dir}: written with {saved}; {why_not}")
+    if saved != now:
+        history += ({**entry, "step": int(state["step"])},)
+    if world.is_main and saved != now:
+        how = ("converting it" if convert else "DeepSpeed loads it as it is") \
+            if not is_universal(tag_dir) else "a converted checkpoint"
+        print(f"resume: {tag_dir} was written with {saved}; this run is {now} ({how})",
+              file=sys.stderr)
+    if world.is_main and state["global_batch"] != global_batch:
+        print(f"resume: the global batch was {state['global_batch']} samples and is "
+              f"{global_batch} now: continuing from sample {state['consumed_samples']:,} "
+              f"(step {state['step']}); the step count and LR schedule continue from there",
+              file=sys.stderr)
+    return Switch(saved, now, history, convert)
+
+
+def sample_layout(cfg: TrainConfig, objective: str) -> dict[str, Any]:
+    """The settings that decide which sample a stream position is (checkpoint.SAMPLE_LAYOUT)."""
+    values = {**cfg.to_dict(), "objective": objective}
+    return {k: values[k] for k in checkpoint.SAMPLE_LAYOUT}
+
+
+def check_tokenizer_copy(data: Path, manifest: dict[str, Any]) -> None:
+    """The dataset's tokenizer copy must be the one it was made with (one hash of one file)."""
+    tok_dir = data / manifest["tokenizer"].get("dir", TOKENIZER_DIR)
+    found = tokenizer_fingerprint(tok_dir)
+    if found != manifest["tokenizer"]["fingerprint"]:
+        raise UserError(f"{tok_dir / 'tokenizer.json'}: fingerprint {found} does not match "
+                        f"{data / 'dataset.json'}'s {manifest['tokenizer']['fingerprint']} "
+                        f"(replaced or corrupt; run `python -m data_tools inspect --verify`)")
+
+
+def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
+    """(micro batch, gradient accumulation, global batch) from the flags and the world size."""
+    micro = cfg.micro_batch
+    per_step = micro * world_size
+    if cfg.global_batch is not None:
+        if cfg.global_batch % per_step:
+            raise UserError(f"--global-batch {cfg.global_batch}: not a multiple of --micro-batch "
+                            f"{micro} x {world_size} ranks")
+        accum = cfg.global_batch // per_step
+        if cfg.grad_accum is not None and cfg.grad_accum != accum:
+            raise UserError(f"--grad-accum {cfg.grad_accum} disagrees with --global-batch "
+                            f"{cfg.global_batch} (= {accum} x {micro} x {world_size} ranks)")
+    else:
+        accum = cfg.grad_accum or 1
+    return micro, accum, micro * accum * world_size
+
+
+def check_run_dir(cfg: TrainConfig, sources: Sources) -> tuple[Path, str] | None:
+    """The checkpoint to resume from (or None), refusing to clobber a previous run silently."""
+    rundir.check_out(cfg.out, sources.paths)
+    ckpt_dir = cfg.out / rundir.CHECKPOINTS
+    resume = checkpoint.find_resume(cfg.resume, cfg.out)
+    if resume is None and not cfg.overwrite:
+        previous = [n for n in (rundir.CHECKPOINTS, rundir.METRICS, rundir.SUMMARY)
+                    if (cfg.out / n).exists()]
+        has_ckpt = checkpoint.latest_tag(ckpt_dir) is not None
+        if previous and (cfg.resume == "never" or has_ckpt):
+            raise UserError(f"--out {cfg.out}: holds a previous run ({', '.join(previous)}); "
+                            f"continue it with --resume auto, or replace it with --overwrite")
+    # with --resume auto, tags newer than `latest` are interrupted saves (prepare_run_dir)
+    if resume is not None and cfg.resume != "auto":
+        newer = checkpoint.tags_after(ckpt_dir, resume[1])
+        if newer:  # saving here would interleave two histories and prune the wrong one
+            raise UserError(f"--resume {resume[0] / resume[1]}: {ckpt_dir} holds later "
+                            f"checkpoints ({', '.join(newer)}); resume into another --out, or "
+                            f"move those away")
+    return resume

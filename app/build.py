@@ -65,7 +65,7 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     """Config in, ready trainer out. `device`: the detected one unless a caller (a probe)
     passes a variant of it."""
     device = device or detect()
-    threads = set_cpu_threads(device)
+    threads = set_cpu_threads()
     adopt_launcher_env()  # ranks from MPI/Slurm launchers, once, before anything reads them
     plan = plan_run(cfg, device, world_from_env())
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere

@@ -2,7 +2,7 @@
 calls (log, evaluate, save) at their intervals.
 
 The loop never imports DeepSpeed: it sees the engine as an `nn.Module` with backward/step, and
-uses app.runtime.engine for its cross-rank collectives. Time is kept by app.telemetry.timing, the
+uses app.runtime.dist for its cross-rank collectives. Time is kept by app.telemetry.timing, the
 state by app.checkpoint.train_state, the console and files by app.telemetry.sinks; anomalies and
 stop signals are handled by app.faults.recovery. Built by app.build.
 

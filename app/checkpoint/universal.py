@@ -241,7 +241,7 @@ def _read_zero3(tag_dir: Path, parts: list[Path]) -> Whole:
 
 
 def param_names(model_config: dict[str, Any]) -> list[list[str]]:
-    """The trained parameters' names in the optimizer's groups, in order (as app.train builds
+    """The trained parameters' names in the optimizer's groups, in order (as app.build builds
     them), from a skeleton of the model on the meta device (no memory, no init)."""
     from app.model import build_model, config_from_dict, optimizer_groups
 

@@ -20,13 +20,19 @@ def slow_loaders(loaders: Callable[..., Iterable], rank: int,
                  env: Mapping[str, str] = os.environ) -> Callable[..., Iterable]:
     """`loaders` (a factory of train loaders), its loaders delayed on the rank
     DSPRETRAIN_TEST_SLOW_LOADER names (unchanged otherwise)."""
-    spec = env.get("DSPRETRAIN_TEST_SLOW_LOADER")
-    if not spec:
-        return loaders
-    slow_rank, seconds = spec.split(":")
-    if int(slow_rank) != rank:
+    seconds = _aimed_at(env, "DSPRETRAIN_TEST_SLOW_LOADER", rank)
+    if seconds is None:
         return loaders
     return lambda *args, **kwargs: _delayed(loaders(*args, **kwargs), float(seconds))
+
+
+def _aimed_at(env: Mapping[str, str], name: str, key: int) -> str | None:
+    """The rest of `name=KEY:REST` when KEY is `key`; None when unset or aimed elsewhere."""
+    spec = env.get(name)
+    if not spec:
+        return None
+    first, rest = spec.split(":", 1)
+    return rest if int(first) == key else None
 
 
 def _delayed(batches: Iterable, seconds: float) -> Iterator:
@@ -63,19 +69,16 @@ def install(trainer, env: Mapping[str, str] = os.environ) -> None:
 def poisoned(loss, global_batch: int, env: Mapping[str, str] = os.environ):
     """DSPRETRAIN_TEST_POISON=G:spike|nan: the loss of global batch G is made 1000x larger, or
     NaN (a poisoned batch: the anomaly monitor must catch it, and skipping G must cure it)."""
-    spec = env.get("DSPRETRAIN_TEST_POISON")
-    if not spec:
-        return loss
-    batch, kind = spec.split(":")
-    if int(batch) != global_batch:
+    kind = _aimed_at(env, "DSPRETRAIN_TEST_POISON", global_batch)
+    if kind is None:
         return loss
     return loss * 1000.0 if kind == "spike" else loss * float("nan")
 
 
 def hang_here(rank: int, step: int, env: Mapping[str, str] = os.environ) -> None:
     """DSPRETRAIN_TEST_HANG=RANK:STEP: that rank stops making progress at that step."""
-    spec = env.get("DSPRETRAIN_TEST_HANG")
-    if spec and tuple(map(int, spec.split(":"))) == (rank, step):
+    at = _aimed_at(env, "DSPRETRAIN_TEST_HANG", rank)
+    if at is not None and int(at) == step:
         while True:
             time.sleep(1)
 

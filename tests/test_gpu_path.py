@@ -19,7 +19,9 @@ from app.model import build_config, build_model, optimizer_groups
 from app.trainer import token_sums
 from tests.helpers import REPO, TINY, check, clean_env, run_app
 
-pytestmark = pytest.mark.slow
+# the bf16 fixture's three runs are the first to need DeepSpeed's fused Adam: a fresh machine
+# builds it (minutes) inside that fixture
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")

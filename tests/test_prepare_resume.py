@@ -71,6 +71,7 @@ def completed(out: Path) -> dict[str, tuple[int, int]]:
             for n in names for ext in ("bin", "idx")}
 
 
+@pytest.mark.slow  # two prepares of the whole corpus and a resume
 def test_sigkill_then_resume_is_byte_identical(job, tmp_path, capsys):
     out = tmp_path / "cut"
     proc = start(job, out, "--workers", "2", "--batch-chars", "4000")

@@ -242,6 +242,7 @@ def test_interrupt_leaves_nothing_behind(mlm_dataset, tmp_path, sig):
     assert not out.exists()  # tune made it, and took it away again
 
 
+@pytest.mark.slow  # two `app tune` processes
 def test_bad_input_is_one_line(mlm_dataset, tmp_path):
     p = run_app("tune", "--data", mlm_dataset, "--zero", "0,7", "--out", tmp_path / "t")
     assert p.returncode == 2 and "Traceback" not in p.stderr and "ZeRO stages" in p.stderr

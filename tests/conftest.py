@@ -28,6 +28,15 @@ STDLIB_MODULES = ("argparse", "dataclasses", "typing", "pathlib", "shutil", "tex
 PROGRESS_PREFIXES = ("reading corpus:", "prepare:", "verify:", "adopt:")
 
 
+def pytest_collection_modifyitems(items):
+    """`multirank` implies `slow`: a test that starts ranks through the launcher, or reads a
+    fixture that does, takes tens of seconds; `-m "not slow"` leaves it out without a second mark
+    on every such test."""
+    for item in items:
+        if item.get_closest_marker("multirank") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def one_line_error(capsys):
     """Check a user error: one line on stderr (progress bars aside) naming each given needle."""

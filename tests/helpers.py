@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,13 @@ def run_app(*args: str, timeout: int = 600, env: dict[str, str] | None = None
     """`python -m app ARGS` in a fresh process (a world of one)."""
     return subprocess.run([sys.executable, "-m", "app", *map(str, args)], cwd=REPO,
                           env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def default_sigint() -> None:
+    """`preexec_fn` for a child a test interrupts with SIGINT: a suite started as a background job
+    (`pytest &`, `nohup`) runs with SIGINT ignored, which the child would inherit and so never see
+    the Ctrl-C (Python installs its KeyboardInterrupt handler only over the default)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def launch(*args: str, procs: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:

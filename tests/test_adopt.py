@@ -38,6 +38,7 @@ def megatron(stdlib_dir, wordpiece_tokenizer, tmp_path_factory) -> dict:
     return {"root": root, "made": root / "made", "parts": sorted((root / "mega").glob("part*"))}
 
 
+@pytest.mark.slow
 def test_adopted_megatron_shards_verify_and_train(megatron, wordpiece_tokenizer, tmp_path):
     out = tmp_path / "adopted"
     parts = megatron["parts"]  # part0.bin part0.idx part1.bin ... (a shell glob)

@@ -19,7 +19,9 @@ from app.model import build_config, build_model, optimizer_groups
 from app.trainer import token_sums
 from tests.helpers import REPO, TINY, check, clean_env, run_app
 
-pytestmark = pytest.mark.slow
+# Every test that trains is marked slow; the bf16 fixture's three runs are the first to need
+# DeepSpeed's fused Adam, which a fresh machine builds (minutes) inside that fixture.
+SLOW = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,8 @@ def _exported(hf: Path) -> dict[str, torch.Tensor]:
     return load_file(hf / "model.safetensors")
 
 
+@SLOW
+@pytest.mark.timeout(1200)
 def test_bf16_zero0_exports_the_fp32_masters(bf16_runs):
     run, hf, _ = bf16_runs[0]
     tag = run / "checkpoints" / "global_step10"
@@ -61,6 +65,8 @@ def test_bf16_zero0_exports_the_fp32_masters(bf16_runs):
     assert not torch.equal(master, master.to(torch.bfloat16).float())
 
 
+@SLOW
+@pytest.mark.timeout(1200)
 def test_bf16_zero1_exports_the_fp32_masters(bf16_runs):
     run, hf, _ = bf16_runs[1]
     tag = run / "checkpoints" / "global_step10"
@@ -74,6 +80,8 @@ def test_bf16_zero1_exports_the_fp32_masters(bf16_runs):
     assert not torch.equal(master, master.to(torch.bfloat16).float())
 
 
+@SLOW
+@pytest.mark.timeout(1200)
 def test_exports_keep_the_tokenizers_vocabulary(bf16_runs, mlm_dataset):
     from transformers import AutoModelForMaskedLM
 
@@ -86,6 +94,8 @@ def test_exports_keep_the_tokenizers_vocabulary(bf16_runs, mlm_dataset):
     assert model(input_ids=torch.tensor([[2, 50, 3]])).logits.shape[-1] == vocab
 
 
+@SLOW
+@pytest.mark.timeout(1200)
 def test_the_export_check_still_catches_a_wrong_weight(bf16_runs, tmp_path):
     import shutil
 
@@ -101,6 +111,8 @@ def test_the_export_check_still_catches_a_wrong_weight(bf16_runs, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+@SLOW
+@pytest.mark.timeout(1200)
 def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_allows(bf16_runs):
     engines = {z: json.loads((run / "config.json").read_text()) for z, (run, _, _) in
                bf16_runs.items()}
@@ -115,6 +127,7 @@ def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_allows(bf16_runs):
     assert "bf16 at ZeRO-0 accumulates and all-reduces gradients in bf16" in bf16_runs[0][2]
 
 
+@SLOW
 def test_bf16_without_a_stage_defaults_to_zero1(mlm_dataset, tmp_path):
     from app.config import TrainConfig
     from app.runtime.dist import World
@@ -137,6 +150,7 @@ def _probe(*args) -> dict:
     return json.loads(lines[-1][len("PROBE "):])
 
 
+@SLOW
 @pytest.mark.parametrize("objective", ["mlm", "clm"])
 def test_a_training_step_never_syncs_the_host(mlm_dataset, clm_dataset, tmp_path, objective):
     """Forward, backward and DeepSpeed's step (ZeRO-0, concat packing): no nonzero, no item, no
@@ -146,6 +160,7 @@ def test_a_training_step_never_syncs_the_host(mlm_dataset, clm_dataset, tmp_path
     assert _probe("syncs", data, tmp_path / "run", objective, 0) == {}
 
 
+@SLOW
 def test_a_skipped_step_keeps_the_schedule_on_the_step_counter(mlm_dataset, tmp_path):
     (tmp_path / "run").mkdir()
     result = _probe("skip", mlm_dataset, tmp_path / "run", "mlm", 0)
@@ -153,6 +168,7 @@ def test_a_skipped_step_keeps_the_schedule_on_the_step_counter(mlm_dataset, tmp_
     assert result["lrs"] == pytest.approx(result["schedule"])
 
 
+@SLOW
 def test_staging_happens_before_the_process_group(mlm_dataset, tmp_path):
     """A copy may take longer than any collective's timeout: it runs before the group exists."""
     hook = tmp_path / "hook"

@@ -12,7 +12,8 @@ from transformers import AutoModelForMaskedLM
 from app.__main__ import main as app_main
 from tests.helpers import TINY, check, error_lines, launch, metrics, run_app, train_losses
 
-pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+# zero_runs launches four 2-rank runs before its first test
+pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS = 4
 # global batch 16 = micro 4 x grad-accum 2 x 2 ranks; dropout 0 so world sizes compare

@@ -23,7 +23,7 @@ from data_tools.indexed import IndexedShard
 from data_tools.manifest import (MANIFEST, dataset_fingerprint, file_checksum, load_manifest,
                                  shard_prefixes, tokenizer_fingerprint)
 from data_tools.prepare import is_val
-from tests.helpers import tmpfs
+from tests.helpers import NO_CAPS, clean_env, default_sigint, tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -261,17 +261,20 @@ def test_missing_or_unreadable_inputs_and_empty_corpus(tmp_path, wordpiece_token
 
 
 def test_unreadable_input(tmp_path, wordpiece_tokenizer, one_line_error):
+    """As root (CI) the command runs without root's capabilities, so the file's mode applies as
+    it does to any user; in a process of its own, whose stderr the one-line check reads."""
     out = tmp_path / "out"
     locked = tmp_path / "locked.txt"
     locked.write_text("secret")
     locked.chmod(0)
-    try:
-        if os.access(locked, os.R_OK):
-            pytest.skip("running as root: permissions do not stop reads")
-        assert prepare("--input", locked, "--tokenizer", wordpiece_tokenizer, "--out", out) == 2
-        one_line_error(str(locked), "cannot read")
-    finally:
-        locked.chmod(0o644)
+    cmd = [sys.executable, "-m", "data_tools", "prepare", "--input", str(locked),
+           "--tokenizer", str(wordpiece_tokenizer), "--out", str(out)]
+    proc = subprocess.run((NO_CAPS if os.geteuid() == 0 else []) + cmd, cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    sys.stderr.write(proc.stderr)
+    assert proc.returncode == 2
+    one_line_error(str(locked), "cannot read")
+    assert not out.exists()
 
 
 def test_bad_tokenizer_directories(tmp_path, stdlib_dir, wordpiece_tokenizer, one_line_error):
@@ -361,7 +364,8 @@ def test_ctrl_c_leaves_no_dataset(tmp_path, stdlib_dir, wordpiece_tokenizer):
         [sys.executable, "-m", "data_tools", "prepare", "--input", str(stdlib_dir),
          "--include", "*.py", "--tokenizer", str(wordpiece_tokenizer), "--out", str(out),
          "--workers", "1", "--batch-chars", "300"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint)
     deadline = time.monotonic() + 60
     while not (out / "train_00000.bin").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

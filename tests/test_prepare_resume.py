@@ -17,7 +17,7 @@ import pytest
 from data_tools.__main__ import main as data_tools_main
 from data_tools.manifest import MANIFEST, load_manifest
 from data_tools.resume import JOURNAL
-from tests.helpers import snapshot, tmpfs
+from tests.helpers import default_sigint, snapshot, tmpfs
 from tests.test_prepare import shard_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,8 @@ def job(stdlib_dir, wordpiece_tokenizer, tmp_path):
 def start(args: list, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "data_tools", "prepare", *map(str, args),
                              "--out", str(out), *extra],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
 
 
 def wait_for_shards(out: Path, n: int, proc: subprocess.Popen) -> None:
@@ -70,6 +71,7 @@ def completed(out: Path) -> dict[str, tuple[int, int]]:
             for n in names for ext in ("bin", "idx")}
 
 
+@pytest.mark.slow  # two prepares of the whole corpus and a resume
 def test_sigkill_then_resume_is_byte_identical(job, tmp_path, capsys):
     out = tmp_path / "cut"
     proc = start(job, out, "--workers", "2", "--batch-chars", "4000")

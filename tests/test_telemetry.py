@@ -136,6 +136,7 @@ def test_the_offline_wandb_run_holds_metrics_and_config_under_one_id(run):
     assert config["engine"]["optimizer"] and config["run"]["wandb_group"] == "tests"
 
 
+@pytest.mark.multirank  # its `run` fixture launches 2 ranks
 def test_report_writes_pngs_for_one_run_and_for_two(run, tmp_path):
     out, _, _ = run
     copy = Path(shutil.copytree(out, tmp_path / "again", ignore=shutil.ignore_patterns("wandb")))

@@ -15,7 +15,7 @@ import pytest
 from app.plan.probe import group_pids, kill_group, rank_pids, remove_shm_buffers, run_probe
 from app.plan.tune import (SEARCH_TOLERANCE, fit_global_batch, next_micro_batch, pick_workers,
                       train_flags)
-from tests.helpers import REPO, check, clean_env, metrics, run_app
+from tests.helpers import REPO, check, clean_env, default_sigint, metrics, run_app
 from tests.test_plan import run_fresh
 
 # -- the search -----------------------------------------------------------------------------------
@@ -224,7 +224,8 @@ def test_search_survives_running_out_of_a_small_budget(mlm_dataset, tmp_path):
 def test_interrupt_leaves_nothing_behind(mlm_dataset, tmp_path, sig):
     out = tmp_path / "tuned"
     proc = subprocess.Popen(tune_cmd(mlm_dataset, out, "--max-micro-batch", "64"), cwd=REPO,
-                            env=clean_env(), stderr=subprocess.PIPE, text=True)
+                            env=clean_env(), stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     try:
         for line in proc.stderr:  # wait for the first probe to end; the second is running
             if line.startswith("probe 1:"):
@@ -241,6 +242,7 @@ def test_interrupt_leaves_nothing_behind(mlm_dataset, tmp_path, sig):
     assert not out.exists()  # tune made it, and took it away again
 
 
+@pytest.mark.slow  # two `app tune` processes
 def test_bad_input_is_one_line(mlm_dataset, tmp_path):
     p = run_app("tune", "--data", mlm_dataset, "--zero", "0,7", "--out", tmp_path / "t")
     assert p.returncode == 2 and "Traceback" not in p.stderr and "ZeRO stages" in p.stderr

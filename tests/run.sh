@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The tests' one command, on a fresh machine as on a used one: installs what the tests need, then
+# runs pytest with the arguments given (none: the whole suite; `-m "not slow"`: the fast subset).
+#
+#   bash tests/run.sh [PYTEST ARGS...]
+#
+# Installs, each only when missing: the Debian packages of the multi-node tests (sshd, ssh and pdsh
+# for launch.sh over real ssh to loopback addresses, `ip` for those addresses) and shellcheck, which
+# lints launch.sh (apt-get: root, or sudo); torch's CPU build where no torch is installed (a GPU
+# machine keeps its own CUDA build); the project with its dev extra at the versions the tests passed
+# with (constraints.txt). .ci/run calls this script; so can anyone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+missing=()
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+command -v ssh >/dev/null || missing+=(openssh-client)
+command -v pdsh >/dev/null || missing+=(pdsh)
+command -v shellcheck >/dev/null || missing+=(shellcheck)
+command -v ip >/dev/null || missing+=(iproute2)
+if [ "${#missing[@]}" -gt 0 ]; then
+  sudo=()
+  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+  echo "tests/run.sh: installing ${missing[*]}" >&2
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+shellcheck launch.sh
+# An unpinned torch would pull the CUDA wheels; the CPU build is the one the tests ran with.
+python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+python -m pip install -q -c constraints.txt -e ".[dev]"
+# Never talk to wandb's servers from the tests.
+export WANDB_MODE=offline
+exec python -m pytest "$@"

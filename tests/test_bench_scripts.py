@@ -1,0 +1,109 @@
+"""The bench/ scripts import the app's internals and nothing else runs them: every name they import
+from app/ and data_tools/ exists (the imports inside functions too), every script starts and prints
+its usage, and the cheap ones measure something tiny for real. A module moved or a function renamed
+fails here, not in the next benchmarking session."""
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, clean_env
+
+SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py"))
+OURS = ("app", "data_tools", "bench")
+
+
+def bench(script: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python bench/SCRIPT ARGS` in its own process, as a user runs it."""
+    return subprocess.run([sys.executable, str(REPO / "bench" / script), *map(str, args)],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def imported_names(path: Path) -> list[tuple[str, str | None]]:
+    """(module, name) for each `from app|data_tools|bench... import name` in the file, at any
+    depth; (module, None) for `import app...`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 \
+                and (node.module or "").split(".")[0] in OURS:
+            found += [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.split(".")[0] in OURS]
+    return found
+
+
+def test_the_scripts_read_the_app_through_imports_this_test_sees():
+    assert len(SCRIPTS) >= 9 and all(imported_names(REPO / "bench" / s)
+                                     for s in SCRIPTS if s != "soak.py")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_name_a_script_imports_from_the_app_exists(script):
+    missing = []
+    for module, name in imported_names(REPO / "bench" / script):
+        mod = importlib.import_module(module)
+        if name is not None and not hasattr(mod, name):
+            try:
+                importlib.import_module(f"{module}.{name}")
+            except ImportError:
+                missing.append(f"{module}.{name}")
+    assert not missing, f"bench/{script} imports what no longer exists: {missing}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_starts_and_prints_its_usage(script):
+    out = ok(bench(script, "--help"))
+    assert out.startswith("usage: ") and "--" in out
+
+
+def test_bench_stage_measures_a_tiny_dataset(tmp_path):
+    out = ok(bench("bench_stage.py", "--dir", tmp_path, "--gb", "0.002", "--reps", "1",
+                   "--workers", "1"))
+    rows = {r["case"]: r for r in json.loads(out.splitlines()[-1])}
+    assert set(rows) == {"cat *.bin > /dev/null", "cp -r", "cp -r && sync", "stage --workers 1"}
+    assert all(r["seconds"] > 0 for r in rows.values()) and rows["cp -r"]["vs_cp"] == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # its source and copies removed
+
+
+def test_bench_loader_measures_a_prepared_dataset(mlm_dataset):
+    out = ok(bench("bench_loader.py", "--data", mlm_dataset, "--seq-len", "64",
+                   "--micro-batch", "2", "--batches", "3", "--step-ms", "100", "--reps", "1",
+                   "--workers", "0"))
+    assert "mlm/concat, seq_len 64, micro batch 2" in out
+    assert out.splitlines()[-1].startswith("| 0 | ") and out.splitlines()[-1].endswith(" |")
+
+
+@pytest.mark.slow
+def test_bench_scaling_ceiling_times_the_apps_step_in_one_and_two_processes():
+    out = ok(bench("bench_scaling_ceiling.py", "--work", "step", "--iters", "5", "--repeats",
+                   "1", "--micro-batch", "2", "--seq-len", "32"))
+    figures = json.loads(out.splitlines()[-1])
+    assert figures["model"] == "bert-tiny" and figures["ratio_median"] > 0
+
+
+@pytest.mark.slow
+def test_bench_step_compares_the_apps_step_with_a_plain_one(mlm_dataset):
+    out = ok(bench("bench_step.py", "--data", mlm_dataset, "--seq-len", "32", "--micro-batch",
+                   "2", "--block", "1", "--rounds", "2", "--log-every", "1"))
+    figures = json.loads(out.splitlines()[-1])
+    assert figures["app_ms"] > 0 and figures["plain_ms"] > 0
+    assert len(figures["blocks_ms"]["app"]) == len(figures["blocks_ms"]["plain"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_telemetry_prices_the_instrumentation_of_a_step(mlm_dataset):
+    out = ok(bench("bench_telemetry.py", "--data", mlm_dataset, "--seq-len", "32",
+                   "--micro-batch", "2", "--steps", "2", "--log-every", "1"))
+    assert out.splitlines()[-1].startswith("overhead: ") and "% of the step" in out

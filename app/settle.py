@@ -306,9 +306,9 @@ def check_learnable(cfg: TrainConfig, objective: str, manifest: dict[str, Any],
     if objective == "mlm" and cfg.packing == "doc":
         need = 3 if manifest.get("cls_token_id") is not None else 2
     if cfg.seq_len < need:
-        raise UserError(f"--seq-len {cfg.seq_len}: with --packing {cfg.packing} and objective "
-                        f"{objective} a sample of {where.name} holds no token to predict (at "
-                        f"least {need})")
+        raise UserError(f"--seq-len {cfg.seq_len}: a sample of {where} holds no token to "
+                        f"predict with --packing {cfg.packing} and objective {objective}; use "
+                        f"--seq-len {need} or more")
 
 
 def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:

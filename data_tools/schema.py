@@ -52,6 +52,9 @@ def check(schema: type[Schema], data: Any, where: str | os.PathLike) -> Any:
         key = _key(err["loc"])
         if err["type"] == "missing":
             raise UserError(f"{where}: key '{key}' is missing") from None
+        if err["type"] == "extra_forbidden":
+            raise UserError(f"{where}: key '{key}' is not a key of this file (misspelt?)"
+                            ) from None
         got = repr(err.get("input"))
         got = got if len(got) <= 40 else got[:37] + "..."
         msg = err["msg"][0].lower() + err["msg"][1:]

@@ -290,3 +290,11 @@ def test_a_run_with_an_edited_vocab_size_is_refused(dataset, tmp_path):
     out = tmp_path / "run"
     proc = run_app("train", "--data", dataset, "--out", out, *TINY, "--max-steps", "2")
     one_line_no_run(proc, out, "dataset.json: key 'vocab_size' is 70000")
+
+
+def test_an_optimizer_type_must_be_an_optimizer(tmp_path):
+    from app.runtime.ds_config import validate_ds_config
+
+    ds = fill(changed(optimizer={"type": "lr_scheduler", "params": {}}), tmp_path / "a.json")
+    with pytest.raises(UserError, match="'optimizer.type' is 'lr_scheduler'"):
+        validate_ds_config(ds, tmp_path / "a.json")

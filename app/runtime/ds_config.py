@@ -348,7 +348,9 @@ def validate_ds_config(ds: dict[str, Any], where: Path) -> list[str]:
     finally:
         logger.setLevel(level)
     opt = ds.get("optimizer", {}).get("type", "")
-    if opt.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, opt):
+    torch_opt = getattr(torch.optim, opt, None)
+    if opt.lower() not in DEEPSPEED_OPTIMIZERS and not (
+            isinstance(torch_opt, type) and issubclass(torch_opt, torch.optim.Optimizer)):
         raise UserError(f"{where}: key 'optimizer.type' is {opt!r}: neither a DeepSpeed optimizer "
                         f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor one of torch.optim")
     clip = ds.get("gradient_clipping", 0.0)

@@ -298,3 +298,19 @@ def test_an_optimizer_type_must_be_an_optimizer(tmp_path):
     ds = fill(changed(optimizer={"type": "lr_scheduler", "params": {}}), tmp_path / "a.json")
     with pytest.raises(UserError, match="'optimizer.type' is 'lr_scheduler'"):
         validate_ds_config(ds, tmp_path / "a.json")
+
+
+def test_tune_out_is_never_a_dataset(dataset, tmp_path):
+    from app.plan.tune import check_out
+
+    cfg = parse("--data", str(dataset))
+    for out, needle in ((dataset, "is the input --data"), (dataset / "t", "lies inside"),
+                        (tmp_path, "contains the input --data")):
+        with pytest.raises(UserError, match=needle):
+            check_out(out, cfg)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(dataset / "dataset.json", other)
+    with pytest.raises(UserError, match="a dataset directory"):
+        check_out(other, cfg)
+    check_out(tmp_path / "tune", cfg)

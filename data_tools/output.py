@@ -6,8 +6,9 @@ The rules (docs/design.md, "Outputs"):
   the destination is either the complete old output, the complete new one, or absent.
 - `--overwrite` replaces only what the same command made before, recognised by the marker file
   each command leaves (`.dspretrain.json`, or for datasets their `dataset.json`); never a directory
-  it does not recognise, and never one that equals, contains or lies inside one of its inputs (compared as files: same
-  device and inode, so a bind mount or another spelling of an input is refused too).
+  it does not recognise, and never one that equals, contains or lies inside one of its inputs
+  (compared as files: the same device and inode, so a bind mount or another spelling of an input
+  is refused too).
 - Directories and files are created with the user's umask (a team shares them).
 - A failed write is one line naming the path and the cause; for a full disk, how much was needed
   and how much was free.

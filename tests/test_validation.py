@@ -60,6 +60,7 @@ def changed(**sections) -> dict:
                                                           "pin_memory": "yes"}}},
      ["'zero_optimization.offload_param.pin_memory' is 'yes'"]),
     ({"zero_optimization": {"stage": True}}, ["'zero_optimization.stage' is True"]),
+    ({"zero_optimization": {"stage": 1.0}}, ["'zero_optimization.stage' is 1.0"]),
     ({"train_micro_batch_size_per_gpu": "4"}, ["'train_micro_batch_size_per_gpu' is '4'"]),
     ({"gradient_clipping": "1.0"}, ["'gradient_clipping' is '1.0'"]),
     ({"scheduler": {"type": "WarmupLR", "params": {}}}, ["'scheduler'", "--lr-decay"]),

@@ -35,7 +35,7 @@ def load_ds_config(path: Path) -> dict[str, Any]:
     if not isinstance(zero, dict):
         raise UserError(f"{path}: key 'zero_optimization' must be an object")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+    if type(stage) is not int or stage not in (0, 1, 2, 3):  # not true, nor 1.0
         raise UserError(f"{path}: key 'zero_optimization.stage' is {stage!r}; ZeRO stages are "
                         f"0, 1, 2 and 3")
     check_types(ds, path)

@@ -107,7 +107,7 @@ def _check_section(model, section: dict[str, Any], prefix: str, where: Path) -> 
         info = by_name.get(key)
         if info is None or value == "auto":
             continue  # an unknown key is DeepSpeed's own check (validate_ds_config)
-        kinds = [a for a in (typing.get_args(info.annotation) or (info.annotation,))]
+        kinds = list(typing.get_args(info.annotation) or (info.annotation,))
         if value is None and type(None) in kinds:
             continue
         kinds = [k for k in kinds if k is not type(None)]

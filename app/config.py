@@ -203,6 +203,20 @@ class TrainConfig:
             raise UserError(f"--wandb {self.wandb!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.attn not in ATTENTION:
             raise UserError(f"--attn {self.attn!r}: expected one of {', '.join(ATTENTION)}")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """The flags the checks above leave open: each numeric field within RANGES, every whole
+        number within what torch and numpy hold (a 24-digit --seed was a traceback in torch)."""
+        for name, (low, high, words) in RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not (low(value) and high(value)):
+                raise UserError(f"{flag(name)} {value}: must be {words}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and \
+                    not -MAX_INT <= value <= MAX_INT:
+                raise UserError(f"{flag(f.name)} {value}: out of range (at most {MAX_INT:,})")
 
     @property
     def model_name(self) -> str:
@@ -217,6 +231,28 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+MAX_INT = (1 << 63) - 1  # int64: torch's and numpy's integers
+SEED_MAX = (1 << 32) - 1  # numpy's legacy seeding and Hugging Face's set_seed take no more
+
+
+def _any(value: Any) -> bool:
+    return True
+
+
+# (lower test, upper test, the range in words) for the fields no check above covers
+RANGES: dict[str, tuple[Any, Any, str]] = {
+    "seed": (lambda v: v >= 0, lambda v: v <= SEED_MAX, f"in [0, {SEED_MAX}]"),
+    "warmup_steps": (lambda v: v >= 0, _any, "0 or more"),
+    "eps": (lambda v: v > 0, lambda v: v < 1, "in (0, 1) (AdamW's denominator term)"),
+    "min_lr_ratio": (lambda v: v >= 0, lambda v: v <= 1, "in [0, 1] (a fraction of --lr)"),
+    "mask_prob": (lambda v: v > 0, lambda v: v < 1, "in (0, 1)"),
+    "spike_rise": (lambda v: v >= 0, _any, "0 or more"),
+    "peak_tflops": (lambda v: v > 0, _any, "positive"),
+    "max_rollbacks": (lambda v: v >= 0, _any, "0 or more"),
+    "hang_timeout": (lambda v: v >= 0, _any, "0 or more (seconds; 0: no watchdog)"),
+}
 
 
 def _positive(name: str, value: int) -> None:

@@ -23,7 +23,8 @@ from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, 
                                    zero_config_path, zero_stage)
 from app.schedule import schedule_fn
 from data_tools.errors import UserError
-from data_tools.manifest import TOKENIZER_DIR, tokenizer_fingerprint
+from data_tools.manifest import MANIFEST, TOKENIZER_DIR, tokenizer_fingerprint
+from data_tools.schema import read_regular
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +163,7 @@ def settle_data(cfg: TrainConfig, sources: Sources, objective: str,
 
     train, with_eval = [], []
     for i, source in enumerate(sources.items):
+        check_learnable(cfg, objective, source.manifest, source.path)
         train.append(stats(source, "train"))
         splits = source.manifest["splits"]
         if "val" not in splits or not splits["val"]["shards"]:
@@ -259,6 +261,54 @@ def check_tokenizer_copy(data: Path, manifest: dict[str, Any]) -> None:
         raise UserError(f"{tok_dir / 'tokenizer.json'}: fingerprint {found} does not match "
                         f"{data / 'dataset.json'}'s {manifest['tokenizer']['fingerprint']} "
                         f"(replaced or corrupt; run `python -m data_tools inspect --verify`)")
+    check_vocabulary(data, manifest, tok_dir / "tokenizer.json")
+
+
+# The largest token id each shard dtype of dataset.json holds
+DTYPE_MAX_ID = {"uint16": (1 << 16) - 1, "int32": (1 << 31) - 1}
+_ID_KEYS = ("eod_token_id", "pad_token_id", "mask_token_id", "cls_token_id", "bos_token_id",
+            "unk_token_id")
+
+
+def check_vocabulary(data: Path, manifest: dict[str, Any], tok_json: Path) -> None:
+    """dataset.json's vocab_size sizes the model's embedding: it must be the tokenizer's, within
+    what the shards' dtype holds, and above every special id (an edited 70000 on a 4,000-token
+    tokenizer trained a model 17 times too wide, silently)."""
+    from tokenizers import Tokenizer
+
+    where, vocab = data / MANIFEST, manifest["vocab_size"]
+    if vocab - 1 > DTYPE_MAX_ID[manifest["dtype"]]:
+        raise UserError(f"{where}: key 'vocab_size' is {vocab} but key 'dtype' "
+                        f"{manifest['dtype']} holds ids up to {DTYPE_MAX_ID[manifest['dtype']]}")
+    try:
+        tok = Tokenizer.from_str(read_regular(tok_json).decode("utf-8"))
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the Rust parser's errors: a corrupt file
+        raise UserError(f"{tok_json}: not a tokenizer ({str(e).splitlines()[0][:80]})") from None
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    words = max(tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
+    if vocab != words:  # the formula prepare and adopt record (TokenizerInfo.vocab_size)
+        raise UserError(f"{where}: key 'vocab_size' is {vocab} but its tokenizer {tok_json} has "
+                        f"{words} tokens (dataset.json edited? prepare the dataset again)")
+    for key in _ID_KEYS:
+        if manifest.get(key) is not None and manifest[key] >= vocab:
+            raise UserError(f"{where}: key '{key}' is {manifest[key]}, not below key "
+                            f"'vocab_size' {vocab}")
+
+
+def check_learnable(cfg: TrainConfig, objective: str, manifest: dict[str, Any],
+                    where: Path) -> None:
+    """Refuse a sample layout with no token to predict: a run would report loss 0 and
+    perplexity 1, a perfect model. MLM with one document a sample (--packing doc) spends
+    [CLS] and the closing [SEP] of a truncated document: it needs a third token to mask."""
+    need = 2
+    if objective == "mlm" and cfg.packing == "doc":
+        need = 3 if manifest.get("cls_token_id") is not None else 2
+    if cfg.seq_len < need:
+        raise UserError(f"--seq-len {cfg.seq_len}: a sample of {where} holds no token to "
+                        f"predict with --packing {cfg.packing} and objective {objective}; use "
+                        f"--seq-len {need} or more")
 
 
 def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:

@@ -6,7 +6,9 @@ The rules (docs/design.md, "Outputs"):
   the destination is either the complete old output, the complete new one, or absent.
 - `--overwrite` replaces only what the same command made before, recognised by the marker file
   each command leaves (`.dspretrain.json`, or for datasets their `dataset.json`); never a directory
-  it does not recognise, and never one that equals, contains or lies inside one of its inputs.
+  it does not recognise, and never one that equals, contains or lies inside one of its inputs
+  (compared as files: the same device and inode, so a bind mount or another spelling of an input
+  is refused too).
 - Directories and files are created with the user's umask (a team shares them).
 - A failed write is one line naming the path and the cause; for a full disk, how much was needed
   and how much was free.
@@ -143,7 +145,19 @@ def write_json_atomic(path: str | os.PathLike, data: Any, *, fsync: bool = True)
 
 # -- output directories ------------------------------------------------------------------------
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of `path` (None: it does not exist): what makes two paths one file."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _relation(out: Path, other: Path) -> str | None:
+    """How `out` lies to `other`, by path and by file: a bind mount, a hard-linked or
+    differently spelled path to the same directory has another path but the same
+    (device, inode), for itself or for one of its parents."""
     o, i = out.resolve(), other.resolve()
     if o == i:
         return "is"
@@ -151,11 +165,19 @@ def _relation(out: Path, other: Path) -> str | None:
         return "contains"
     if o.is_relative_to(i):
         return "lies inside"
+    o_id, i_id = _identity(o), _identity(i)
+    if o_id is not None and o_id == i_id:
+        return "is"
+    if o_id is not None and any(_identity(p) == o_id for p in i.parents):
+        return "contains"
+    if i_id is not None and any(_identity(p) == i_id for p in (o, *o.parents)):
+        return "lies inside"
     return None
 
 
 def check_apart(out: Path, inputs: Iterable[tuple[str, Path]], flag: str = "--out") -> None:
-    """Refuse an output that equals, contains or lies inside an input (`(flag, path)` pairs)."""
+    """Refuse an output that equals, contains or lies inside an input (`(flag, path)` pairs),
+    compared as files (device and inode) as well as paths."""
     for in_flag, path in inputs:
         rel = _relation(out, Path(path))
         if rel is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Iterator
 
@@ -51,6 +52,9 @@ def check(schema: type[Schema], data: Any, where: str | os.PathLike) -> Any:
         key = _key(err["loc"])
         if err["type"] == "missing":
             raise UserError(f"{where}: key '{key}' is missing") from None
+        if err["type"] == "extra_forbidden":
+            raise UserError(f"{where}: key '{key}' is not a key of this file (misspelt?)"
+                            ) from None
         got = repr(err.get("input"))
         got = got if len(got) <= 40 else got[:37] + "..."
         msg = err["msg"][0].lower() + err["msg"][1:]
@@ -75,21 +79,58 @@ def parse_json(text: str | bytes, where: str | os.PathLike) -> Any:
         raise UserError(f"{where}: {e}") from None
 
 
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+          (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a directory"))
+
+
+def _not_regular(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike, missing: str | None = None) -> int:
+    """A read-only descriptor of `path`, refused in one line unless it is a regular file.
+
+    The one gate for every file the project opens from a user's path: a FIFO with no writer
+    would block the open (and a read) for ever, a device would read without end. Opened
+    without blocking and checked by fstat, so what is checked is what is read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise UserError(missing or f"{path}: no such file") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UserError(f"{path}: is {_not_regular(mode)}, expected a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def check_regular(path: str | os.PathLike, missing: str | None = None) -> Path:
+    """`path`, after checking it is a regular file (for a library that opens it itself)."""
+    os.close(open_regular(path, missing))
+    return Path(path)
+
+
+def read_regular(path: str | os.PathLike, missing: str | None = None) -> bytes:
+    """The bytes of a regular file (open_regular); one line for any read error."""
+    fd = open_regular(path, missing)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+
+
 def read_json(path: str | os.PathLike, schema: type[Schema] | None = None, *,
               missing: str | None = None) -> Any:
     """Parse (and check) a JSON file; UserError naming the file (and line, and key).
 
     `missing` is the message for a file that does not exist (default: "<path>: no such file").
     """
-    try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise UserError(missing or f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise UserError(f"{path}: is a directory, expected a JSON file") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
-    data = parse_json(raw, path)
+    data = parse_json(read_regular(path, missing), path)
     return check(schema, data, path) if schema is not None else data
 
 
@@ -97,10 +138,7 @@ def read_jsonl(path: str | os.PathLike, schema: type[Schema] | None = None
                ) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, record) of a JSON-lines file. A torn last line (a writer killed mid-line) is
     skipped; any other bad line is one UserError naming the file, the line and the key."""
-    try:
-        lines = Path(path).read_bytes().split(b"\n")
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    lines = read_regular(path).split(b"\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for i, raw in enumerate(lines):
         if not raw.strip():

@@ -465,6 +465,8 @@ class Stager:
     def __init__(self, cfg: StageConfig, on_wait: Callable[[], None] | None = None):
         self.cfg, self.on_wait = cfg, on_wait
         self.src, self.dst = cfg.src, cfg.dst
+        # first, before dst is looked at: a bind mount of src is src (same device and inode)
+        output.check_apart(self.dst, [("--src", self.src)], flag="--dst")
         manifest = load_manifest(self.src)
         self.manifest_bytes = (self.src / MANIFEST).read_bytes()
         if json.loads(self.manifest_bytes) != manifest:
@@ -474,7 +476,6 @@ class Stager:
         self.stats = StageStats(files=len(self.specs),
                                 total_bytes=sum(s.size for s in self.specs))
         self.state = _State(self.dst, self.fingerprint)
-        output.check_apart(self.dst, [("--src", self.src)], flag="--dst")
         _check_dst_is_ours(self.dst, self.specs)
 
     def run(self) -> StageStats:

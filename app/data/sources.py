@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from pydantic import ConfigDict
+
 from app.data.mixture import MAX_SOURCES, Mixture, describe, source_seed
 from data_tools.errors import UserError
 from data_tools.manifest import MANIFEST, format_digest, load_manifest, new_hasher
@@ -28,6 +30,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class SourceEntry(Schema):
+    """One source of a mixture file. Unlike the files the project writes (where a newer writer
+    may add keys), a user's mixture file has no key to skip: a misspelt "wieght" is refused."""
+
+    model_config = ConfigDict(extra="forbid")
     path: str
     weight: Any
     """A number above 0 (checked with the flags' weights, for one message)."""
@@ -35,7 +41,9 @@ class SourceEntry(Schema):
 
 
 class MixtureFile(Schema):
-    """A mixture file (`--data MIXTURE.json`)."""
+    """A mixture file (`--data MIXTURE.json`): "sources" and nothing else."""
+
+    model_config = ConfigDict(extra="forbid")
 
     sources: list[SourceEntry]
 
@@ -135,6 +143,10 @@ def read_sources(data: Path | Sequence[str]) -> Sources:
               else [_from_arg(a) for a in data])
     if len(wanted) > MAX_SOURCES:
         raise UserError(f"--data: {len(wanted)} sources; a mixture takes at most {MAX_SOURCES}")
+    total = sum(weight for _, weight, _, _ in wanted)  # inf when it overflows
+    if not math.isfinite(total):
+        raise UserError(f"--data: the weights sum to more than the largest number "
+                        f"({describe_weights(wanted)}); weights are relative: scale them down")
     found = [(path, weight, name, _manifest(path, where)) for path, weight, name, where in wanted]
     _check_distinct(found)
     items = _named(found)
@@ -142,6 +154,10 @@ def read_sources(data: Path | Sequence[str]) -> Sources:
     if len(items) == 1:
         return Sources(items, None)
     return Sources(items, Mixture([s.weight for s in items]))
+
+
+def describe_weights(wanted: Sequence[tuple[Path, float, Any, Any]]) -> str:
+    return ", ".join(f"{weight:g}:{path}" for path, weight, _, _ in wanted)
 
 
 def is_mixture_arg(arg: str) -> bool:

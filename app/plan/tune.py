@@ -30,12 +30,14 @@ from typing import Any, Callable, Iterator
 
 from app import config as config_mod
 from app.config import TrainConfig
+from app.data.sources import read_sources
 from app.plan.memory import CPU, GPU, GiB, ZeroSetup, Workload
 from app.plan.probe import ProbeResult, remove_shm_buffers, run_probe
 from app.runtime.device import accelerator_memory_bytes, usable_cores
 from app.runtime.dist import free_port
 from data_tools.errors import UserError
-from data_tools.output import write_json_atomic, write_text_atomic
+from data_tools.manifest import MANIFEST
+from data_tools.output import check_apart, write_json_atomic, write_text_atomic
 
 # Flags tune sets on every probe (the user's values of these are not passed through).
 PROBE_FLAGS = {"out", "micro_batch", "num_workers", "max_steps", "log_every", "eval_every",
@@ -521,6 +523,15 @@ def interrupt_on_term() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def check_out(out: Path, cfg: TrainConfig) -> None:
+    """--out holds tune's three files: never a dataset (its dataset.json marks it), nor inside
+    or around one of --data's (compared as files: output.check_apart)."""
+    check_apart(out, [("--data", p) for p in read_sources(cfg.data).paths])
+    if (out / MANIFEST).exists():
+        raise UserError(f"--out {out}: a dataset directory (it holds {MANIFEST}); choose a "
+                        f"directory of its own for tune's files")
+
+
 def run(args: argparse.Namespace) -> int:
     from app.runtime.device import detect
 
@@ -532,6 +543,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, cpu, cfg.model_name)
     info, work = planner_inputs(cfg, settings.ranks, cpu)
     cands = candidates(args, settings, info.shape.hidden)
+    check_out(settings.out, cfg)
     created = [d for d in (settings.out, *settings.out.parents) if not d.exists()]
     with interrupt_on_term():
         settings.out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ DeepSpeed's own config model (`validate_ds_config`) before any process group exi
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ def zero_config_path(stage: int) -> Path:
 
 
 def load_ds_config(path: Path) -> dict[str, Any]:
-    """Read a DeepSpeed JSON config; UserError naming the file (and line) when it is unusable."""
+    """Read a DeepSpeed JSON config; UserError naming the file (and line, and key) when it is
+    unusable: every value is type-checked here, before it decides anything (check_types)."""
     ds = read_json(path, missing=f"--ds-config {path}: no such file")
     if not isinstance(ds, dict):
         raise UserError(f"{path}: expected a JSON object")
@@ -33,10 +35,100 @@ def load_ds_config(path: Path) -> dict[str, Any]:
     if not isinstance(zero, dict):
         raise UserError(f"{path}: key 'zero_optimization' must be an object")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    if type(stage) is not int or stage not in (0, 1, 2, 3):  # not true, nor 1.0
         raise UserError(f"{path}: key 'zero_optimization.stage' is {stage!r}; ZeRO stages are "
                         f"0, 1, 2 and 3")
+    check_types(ds, path)
     return ds
+
+
+# The app owns the LR schedule (--lr, --warmup-steps, --lr-decay, --min-lr-ratio: app/schedule.py);
+# DeepSpeed would run a file's scheduler instead, while config.json recorded ours.
+OWNED_SECTIONS = {"scheduler": "the LR schedule is the app's (--lr, --warmup-steps, --lr-decay, "
+                               "--min-lr-ratio); remove the section"}
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
+               "gradient_accumulation_steps")
+
+
+def check_types(ds: dict[str, Any], where: Path) -> None:
+    """Every value of the config has the type DeepSpeed's own model declares for it, exactly:
+    DeepSpeed coerces ("true" runs bf16 while our reading of the file said fp32; "8" is a batch
+    size), so a quoted number or boolean is refused here, naming the key. "auto" passes (filled
+    later from the flags)."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    for key, why in OWNED_SECTIONS.items():
+        if key in ds:
+            raise UserError(f"{where}: key '{key}': {why}")
+    for key in _BATCH_KEYS + ("steps_per_print",):
+        if key in ds and ds[key] != "auto" and not _is_int(ds[key]):
+            raise UserError(f"{where}: key '{key}' is {ds[key]!r}: expected a whole number or "
+                            f"\"auto\"")
+    clip = ds.get("gradient_clipping", 0.0)
+    if clip != "auto" and not _is_number(clip):
+        raise UserError(f"{where}: key 'gradient_clipping' is {clip!r}: expected a number or "
+                        f"\"auto\"")
+    for key, model in (("zero_optimization", DeepSpeedZeroConfig),
+                       ("bf16", DeepSpeedBF16Config), ("fp16", DeepSpeedFP16Config)):
+        if key in ds:
+            if not isinstance(ds[key], dict):
+                raise UserError(f"{where}: key '{key}' must be an object")
+            _check_section(model, ds[key], key, where)
+    _check_optimizer_shape(ds.get("optimizer"), where)
+
+
+def _is_int(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or \
+        (isinstance(value, float) and value.is_integer())  # 5e8, as configs often write it
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_CHECKS = {bool: (lambda v: isinstance(v, bool), "true or false (a JSON boolean, no quotes)"),
+           int: (_is_int, "a whole number (no quotes)"),
+           float: (_is_number, "a number (no quotes)")}
+
+
+def _check_section(model, section: dict[str, Any], prefix: str, where: Path) -> None:
+    """The scalar fields of one DeepSpeed pydantic section model, recursing into sub-models."""
+    import typing
+
+    from pydantic import BaseModel
+
+    by_name = {}
+    for name, info in model.model_fields.items():
+        by_name[name] = info
+        if info.alias:
+            by_name[info.alias] = info
+    for key, value in section.items():
+        info = by_name.get(key)
+        if info is None or value == "auto":
+            continue  # an unknown key is DeepSpeed's own check (validate_ds_config)
+        kinds = list(typing.get_args(info.annotation) or (info.annotation,))
+        if value is None and type(None) in kinds:
+            continue
+        kinds = [k for k in kinds if k is not type(None)]
+        if len(kinds) == 1 and isinstance(kinds[0], type) and issubclass(kinds[0], BaseModel) \
+                and isinstance(value, dict):
+            _check_section(kinds[0], value, f"{prefix}.{key}", where)
+        elif len(kinds) == 1 and kinds[0] in _CHECKS and not _CHECKS[kinds[0]][0](value):
+            raise UserError(f"{where}: key '{prefix}.{key}' is {value!r}: expected "
+                            f"{_CHECKS[kinds[0]][1]}")
+
+
+def _check_optimizer_shape(opt: Any, where: Path) -> None:
+    if opt is None:
+        return
+    if not isinstance(opt, dict):
+        raise UserError(f"{where}: key 'optimizer' must be an object")
+    if not isinstance(opt.get("type"), str):
+        raise UserError(f"{where}: key 'optimizer.type' is {opt.get('type')!r}: expected the "
+                        f"optimizer's name (e.g. \"AdamW\")")
+    if not isinstance(opt.get("params", {}), dict):
+        raise UserError(f"{where}: key 'optimizer.params' must be an object")
 
 
 def _enabled(ds: dict[str, Any], key: str) -> Any:
@@ -101,7 +193,7 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     if ds.get("gradient_clipping") == "auto":
         ds["gradient_clipping"] = 1.0
     _fill_optimizer(ds, {"lr": lr, "betas": list(betas), "eps": eps,
-                         "weight_decay": weight_decay})
+                         "weight_decay": weight_decay}, where)
     _fill_precision(ds, precision)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     opt = ds["optimizer"]
@@ -124,15 +216,62 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     return ds
 
 
-def _fill_optimizer(ds: dict[str, Any], settings: dict[str, Any]) -> None:
+# What the flags set, by optimizer: the settings each of DeepSpeed's own optimizers takes
+# (torch.optim's are read from their signature).
+FLAG_OF = {"lr": "--lr", "betas": "--beta1/--beta2", "eps": "--eps",
+           "weight_decay": "--weight-decay"}
+_DEEPSPEED_TAKES = {"adam": set(FLAG_OF), "adamw": set(FLAG_OF), "lamb": set(FLAG_OF),
+                    "muadam": set(FLAG_OF), "muadamw": set(FLAG_OF),
+                    "lion": {"lr", "betas", "weight_decay"},
+                    "adagrad": {"lr", "eps", "weight_decay"},
+                    "musgd": {"lr", "weight_decay"}, "muon": {"lr", "weight_decay"}}
+
+
+def optimizer_takes(name: str) -> set[str] | None:
+    """The parameter names optimizer `name` takes (None: not known, not checked)."""
+    import inspect
+
+    if name.lower() in _DEEPSPEED_TAKES:
+        return None  # DeepSpeed's own: many extra settings of their own
+    cls = getattr(torch.optim, name, None)
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+        return None
+    return {p for p in inspect.signature(cls).parameters if p not in ("self", "params")}
+
+
+def _fill_optimizer(ds: dict[str, Any], settings: dict[str, Any], where: Path) -> None:
+    """Fill the optimizer's "auto" settings from the flags, only those it takes; a number in the
+    file for a setting a flag also sets must agree with it (config.json records the flags: a
+    file's other value would be what runs)."""
     opt = ds.get("optimizer")
     if opt is None:  # no optimizer block (common in HF-style configs): DeepSpeed would build none
         ds["optimizer"] = {"type": "AdamW", "params": dict(settings)}
-    elif isinstance(opt, dict):
-        params = opt.setdefault("params", {})
-        for key, value in settings.items():
-            if params.get(key, "auto") == "auto":
-                params[key] = value
+        return
+    name = opt["type"]
+    params = opt.setdefault("params", {})
+    takes = optimizer_takes(name)
+    fills = _DEEPSPEED_TAKES.get(name.lower(), set(FLAG_OF) & (takes or set()))
+    if takes is not None:
+        for key in params:
+            if key not in takes:
+                raise UserError(f"{where}: key 'optimizer.params.{key}': torch.optim.{name} "
+                                f"takes no '{key}' (it takes {', '.join(sorted(takes))})")
+    for key, value in settings.items():
+        if key not in fills:
+            continue
+        if params.get(key, "auto") == "auto":
+            params[key] = value
+        elif _differs(params[key], value):
+            raise UserError(f"{where}: key 'optimizer.params.{key}' is {params[key]!r} but "
+                            f"{FLAG_OF[key]} gives {value!r} (set it to \"auto\" or pass the "
+                            f"same value to {FLAG_OF[key]})")
+
+
+def _differs(given: Any, flags: Any) -> bool:
+    if isinstance(flags, list):
+        return not (isinstance(given, list) and len(given) == len(flags)
+                    and not any(_differs(g, f) for g, f in zip(given, flags)))
+    return not _is_number(given) or not math.isclose(given, flags, rel_tol=1e-9, abs_tol=0.0)
 
 
 def _fill_precision(ds: dict[str, Any], precision: str) -> None:
@@ -209,7 +348,9 @@ def validate_ds_config(ds: dict[str, Any], where: Path) -> list[str]:
     finally:
         logger.setLevel(level)
     opt = ds.get("optimizer", {}).get("type", "")
-    if opt.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, opt):
+    torch_opt = getattr(torch.optim, opt, None)
+    if opt.lower() not in DEEPSPEED_OPTIMIZERS and not (
+            isinstance(torch_opt, type) and issubclass(torch_opt, torch.optim.Optimizer)):
         raise UserError(f"{where}: key 'optimizer.type' is {opt!r}: neither a DeepSpeed optimizer "
                         f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor one of torch.optim")
     clip = ds.get("gradient_clipping", 0.0)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from app.config import TrainConfig
 from app.model import PRESETS
 from data_tools.errors import UserError
+from data_tools.schema import read_regular
 
 
 def _int(low: int) -> Callable[[str], int]:
@@ -168,10 +169,7 @@ def varying(configs: list[Config]) -> frozenset[str]:
 
 def hostfile_slots(path: Path) -> list[int]:
     """Each host's slots, in order (launch.sh checks the file fully before anything starts)."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise UserError(f"--hostfile {path}: {e.strerror or e}") from None
+    text = read_regular(path, f"--hostfile {path}: no such file").decode("utf-8", "replace")
     slots = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()

@@ -14,10 +14,11 @@ from typing import Any
 from app import config as config_mod
 from app import reference, rundir
 from app.build import build
+from app.faults import preemption
 from app.config import TrainConfig
 from app.runtime.dist import barrier, lost_peer, shutdown
 from app.settle import Plan
-from data_tools.errors import Stopped
+from data_tools.errors import EXIT_USER_ERROR, Stopped, UserError
 from data_tools.output import write_json_atomic
 
 EXIT_LOST_PEER = 1  # another rank failed first: its output has the reason
@@ -28,6 +29,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train; the exit status is also written for launch.sh (app.faults.preemption)."""
+    code = 1  # a crash, unless one of the statuses below
+    try:
+        code = train(args)
+    except Stopped as e:
+        code = e.code
+        raise
+    except (UserError, OSError):
+        code = EXIT_USER_ERROR
+        raise
+    except KeyboardInterrupt:
+        code = 130
+        raise
+    finally:
+        preemption.record_exit(code)
+        preemption.release()
+    return code
+
+
+def train(args: argparse.Namespace) -> int:
     started = time.time()
     cfg = TrainConfig.from_args(args)
     built = build(cfg)

@@ -21,9 +21,9 @@ import os
 import signal
 import sys
 
-import torch
-
 from data_tools.errors import Stopped
+
+# torch is imported where the group is used: `catch` runs before torch loads (app.train)
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped with a checkpoint; run the same command again
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -46,20 +46,18 @@ def _handle(signum, frame) -> None:
 
 
 def catch() -> None:
-    """Install the stop handlers, for a new run: no signal yet (`release` puts the old ones
-    back)."""
-    global _requested, _in_loop
-    _requested, _in_loop = 0, False
+    """Install the stop handlers (once; a signal that came since stays requested)."""
     if not _previous:
         _previous.update({s: signal.signal(s, _handle) for s in SIGNALS})
 
 
 def release() -> None:
-    global _in_loop
+    """The run is over: the old handlers back, no signal requested."""
+    global _requested, _in_loop
     for s, handler in _previous.items():
         signal.signal(s, handler)
     _previous.clear()
-    _in_loop = False
+    _requested, _in_loop = 0, False
 
 
 def requested() -> int:
@@ -73,7 +71,17 @@ def stop_before_loop(phase: str, agreed: int | None = None) -> None:
     signum = requested() if agreed is None else agreed
     if signum:
         raise Stopped(f"got {signal.Signals(signum).name} {phase}: nothing new to save; run the "
-                      f"same command again to start", EXIT_PREEMPTED)
+                      f"same command again", EXIT_PREEMPTED)
+
+
+def starting_stopped(error: BaseException) -> Stopped | None:
+    """A start-up step that failed after a stop signal came: the signal's doing (it reaches the
+    job's helper processes too, e.g. an op's compiler), so a stop with nothing to save."""
+    if not _requested or _in_loop or isinstance(error, (Stopped, KeyboardInterrupt)):
+        return None
+    return Stopped(f"got {signal.Signals(_requested).name} while starting, which then failed "
+                   f"({type(error).__name__}): nothing new to save; run the same command again",
+                   EXIT_PREEMPTED)
 
 
 def record_exit(code: int) -> None:
@@ -93,8 +101,9 @@ class StopRequests:
     """The agreed stop of the ranks, on the flag `catch` set."""
 
     def __init__(self, several_ranks: bool):
-        if not _previous:  # made without `build`, which catches first
-            catch()
+        import torch
+
+        catch()  # where `build` did not already
         self._group = torch.distributed.new_group(backend="gloo") if several_ranks else None
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._work = None
@@ -107,6 +116,8 @@ class StopRequests:
         """Before the loop: the signal any rank got so far (0: none), the same on every rank."""
         if self._group is None:
             return self.requested
+        import torch
+
         flag = torch.tensor([self.requested], dtype=torch.int64)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
         return int(flag.item())
@@ -121,6 +132,8 @@ class StopRequests:
         previous boundary (0: none). The answer is a step late, the same on every rank."""
         if self._group is None:
             return self.requested
+        import torch
+
         answer = 0
         if self._work is not None:
             self._work.wait()

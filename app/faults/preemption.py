@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 
-from data_tools.errors import Stopped
+from data_tools.errors import Stopped, UserError
 
 # torch is imported where the group is used: `catch` runs before torch loads (app.train)
 
@@ -76,8 +76,9 @@ def stop_before_loop(phase: str, agreed: int | None = None) -> None:
 
 def starting_stopped(error: BaseException) -> Stopped | None:
     """A start-up step that failed after a stop signal came: the signal's doing (it reaches the
-    job's helper processes too, e.g. an op's compiler), so a stop with nothing to save."""
-    if not _requested or _in_loop or isinstance(error, (Stopped, KeyboardInterrupt)):
+    job's helper processes too, e.g. an op's compiler), so a stop with nothing to save. Not a
+    UserError: the same command would fail again."""
+    if not _requested or _in_loop or isinstance(error, (Stopped, UserError, KeyboardInterrupt)):
         return None
     return Stopped(f"got {signal.Signals(_requested).name} while starting, which then failed "
                    f"({type(error).__name__}): nothing new to save; run the same command again",

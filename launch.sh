@@ -70,9 +70,10 @@ as_rank() {
   fi
   [ "$prefix" = 1 ] || exec "$@"
   local tag="[node$node rank$rank] "
-  # The taggers ignore INT/TERM: they end when the rank closes its output, after its last line.
-  exec "$@" > >(trap '' INT TERM HUP; exec sed -u "s/^/$tag/") \
-    2> >(trap '' INT TERM HUP; exec sed -u "s/^/$tag/" >&2)
+  # The taggers ignore the stop signals (a scheduler's reach them too): they end when the rank
+  # closes its output, after its last line.
+  exec "$@" > >(trap '' INT TERM HUP USR1; exec sed -u "s/^/$tag/") \
+    2> >(trap '' INT TERM HUP USR1; exec sed -u "s/^/$tag/" >&2)
 }
 if [ "${1:-}" = "--as-rank" ]; then
   shift
@@ -444,10 +445,15 @@ fi
 if [ -n "$log_dir" ]; then
   mkdir -p "$log_dir" 2>/dev/null || die "--log-dir $log_dir: cannot create it"
 fi
+make_jobdir
 if [ "$multi" = 1 ]; then
-  make_jobdir
   printf '%s\n' "${env_file_lines[@]}" > "$jobdir/deepspeed_env"
   export DS_ENV_FILE="$jobdir/deepspeed_env"
+else
+  # The ranks here write their exit statuses into it (app/faults/preemption.py): DeepSpeed's
+  # launch.py, signalled with them, reports only its own.
+  mkdir "$jobdir/exits"
+  export DSPRETRAIN_EXIT_DIR="$jobdir/exits"
 fi
 
 # ----------------------------------------------------------------------------------- run it
@@ -491,13 +497,11 @@ stop_hosts() {
   PDSH_RCMD_TYPE=ssh PDSH_SSH_ARGS_APPEND="${PDSH_SSH_ARGS_APPEND:-}${ssh_port:+ -p $ssh_port}" \
     timeout 60 pdsh -S -t 10 -u 30 -f 1024 -w "$workers" "$remote" </dev/null >/dev/null 2>&1 || true
 }
-# Here, launch.py (the runner's child) ends its ranks on TERM; the runner then exits with it.
+# Here, TERM to every process of the job, as a scheduler does: the ranks stop together with a
+# checkpoint, launch.py ends them too (TERM, then KILL after 30 s), the loader workers ignore it.
 # shellcheck disable=SC2317
 stop_here() {
-  local children=()
-  read -r -a children < "/proc/$runner_pid/task/$runner_pid/children" 2>/dev/null || true
-  [ "${#children[@]}" -gt 0 ] || children=("$runner_pid")
-  kill -TERM "${children[@]}" 2>/dev/null || true
+  kill -TERM -- "-$runner_pid" 2>/dev/null || true
 }
 runner_pid="" stopping=0 stop_status="" woke=0 deadline=0
 # shellcheck disable=SC2317
@@ -518,12 +522,36 @@ on_signal() {  # $1: which, $2: exit status
   fi
 }
 # shellcheck disable=SC2317
-on_failure() {
+on_failure() {  # USR1: a host failed (watch_stderr), or the scheduler's signal (Slurm --signal)
   woke=1
+  if [ -z "$jobdir" ] || [ ! -e "$jobdir/failed" ]; then
+    on_signal "user signal 1" 138
+    return 0
+  fi
   [ "$stopping" = 0 ] || return 0
   local code host
   read -r code host < "$jobdir/failed"
   stop_job "the launcher on $host exited with status $code" "$code"
+}
+# Whether a process of the job still runs here (zombies, which wait for init to reap them, do not).
+job_alive() {
+  ps -e -o pgid= -o stat= 2>/dev/null |
+    awk -v g="$runner_pid" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
+}
+# 75 when a rank here stopped on a signal (exit 75) and none failed otherwise (1: it lost a peer
+# that stopped; none: launch.py ended it), else nothing: the launcher's status stands.
+ranks_verdict() {
+  local file code stopped=0
+  for file in "$jobdir"/exits/rank*; do
+    [ -f "$file" ] || continue
+    read -r code < "$file" || continue
+    case "$code" in
+      75) stopped=1 ;;
+      0|1) ;;
+      *) return 0 ;;
+    esac
+  done
+  [ "$stopped" = 0 ] || echo 75
 }
 trap 'on_signal interrupted 130' INT
 trap 'on_signal terminated 143' TERM
@@ -559,6 +587,20 @@ while [ -z "$rc" ]; do
   fi
   rc="$status"
 done
+# The runner ended, but launch.py or ranks may outlive it (the runner dies of a TERM, launch.py
+# of a USR1): stop what is left and wait for it, the ranks' checkpoint included.
+if [ "$multi" = 0 ]; then
+  while job_alive; do
+    if [ "$stopping" = 0 ]; then
+      stop_job "DeepSpeed's launcher ended with status $rc while ranks still ran" "$rc"
+    elif [ "$SECONDS" -ge "$deadline" ]; then
+      echo "launch.sh: the job outlived its stop by 90 s: killing what runs here" >&2
+      kill -KILL -- "-$runner_pid" 2>/dev/null || true
+      deadline=$((SECONDS + 3600))
+    fi
+    sleep 0.2
+  done
+fi
 if [ "$multi" = 1 ] && [ "$launcher" = pdsh ]; then
   for ((i = 0; i < 100; i++)); do  # the filters print the last lines and see pdsh's last words
     [ -e "$jobdir/stdout.eof" ] && [ -e "$jobdir/stderr.eof" ] && break
@@ -570,6 +612,8 @@ if [ "$multi" = 1 ] && [ "$launcher" = pdsh ]; then
     exit "$code"
   fi
 fi
-# 75: the ranks saved a checkpoint on the stop and want the same command again (app/faults/preemption.py)
+# 75: the ranks saved a checkpoint on the stop (or stopped before there was anything to save)
+# and want the same command again (app/faults/preemption.py)
+[ "$multi" = 1 ] || [ "$(ranks_verdict)" != 75 ] || exit 75
 [ "$stopping" = 0 ] || [ "$rc" = 0 ] || [ "$rc" = 75 ] || exit "$stop_status"
 exit "$rc"

@@ -26,6 +26,7 @@ from app.data.order import skip_ahead
 from app.data.sources import Sources
 from app.faults import anomaly
 from app.faults import injection as faults
+from app.faults import preemption
 from app.faults.preemption import StopRequests
 from app.faults.recovery import Recovery
 from app.faults.watchdog import Watchdog
@@ -64,19 +65,23 @@ class Built:
 def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     """Config in, ready trainer out. `device`: the detected one unless a caller (a probe)
     passes a variant of it."""
+    preemption.catch()  # first: a stop signal from here on ends the run at a safe point
     device = device or detect()
     threads = set_cpu_threads()
     adopt_launcher_env()  # ranks from MPI/Slurm launchers, once, before anything reads them
     plan = plan_run(cfg, device, world_from_env())
+    preemption.stop_before_loop("before the run started")  # nothing written yet
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         prepare_run_dir(cfg, plan.resume)
         if plan.switch.convert:  # once, next to the checkpoint (checkpoint.load reuses it)
             universal.ensure(*plan.resume, checkpoint.read_state(*plan.resume), plan.switch.now)
     data_dirs = (stage_data(cfg, plan.sources, plan.world) if cfg.stage_to
                  else list(plan.sources.paths))
+    preemption.stop_before_loop("while preparing the run")  # each step above ended whole
     enable_tf32(device, plan.precision, cfg.tf32)
     world = init_distributed(device, timeout_minutes=cfg.dist_timeout)
     barrier()
+    stops = StopRequests(world.world_size > 1)  # from here the ranks stop together
     state = TrainState()  # the one state: the engine's LR schedule reads its cool-down
     engine, n_params = _engine(plan, state.cooldown)
     torch.manual_seed(dropout_seed(cfg.seed, world.rank))
@@ -87,11 +92,13 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
         if world.is_main:
             print(f"resumed from {plan.resume[0] / plan.resume[1]} at step {state.step}",
                   file=sys.stderr)
+    preemption.stop_before_loop("while building the engine", stops.agree_now())
+    stops.start()  # a signal from now on: the loop saves a checkpoint
     run_config = describe_run(plan, engine, world, data_dirs, n_params, threads)
     shape = run_shape(plan, engine)
     if world.is_main:
         record_run(plan, engine, run_config, data_dirs[0], n_params, shape)
-    trainer = _trainer(plan, engine, world, data_dirs, state, run_config, shape)
+    trainer = _trainer(plan, engine, world, data_dirs, state, run_config, shape, stops)
     faults.install(trainer)  # the tests' DSPRETRAIN_TEST_* switches (none in a real run)
     return Built(plan=plan, world=world, engine=engine, state=state, trainer=trainer,
                  n_params=n_params, data_dirs=data_dirs)
@@ -233,9 +240,10 @@ def run_shape(plan: Plan, engine) -> telemetry.RunShape:
 
 
 def _trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state: TrainState,
-                  run_config: dict[str, Any], shape: telemetry.RunShape) -> Trainer:
+                  run_config: dict[str, Any], shape: telemetry.RunShape,
+                  stops: StopRequests) -> Trainer:
     """The loop with its loaders (`data_dirs`: where each dataset is read from), logger,
-    schedule and guards."""
+    schedule and guards (`stops`: the agreed stop, made once the group exists)."""
     cfg = plan.cfg
     train_spec, train_batches, eval_sets = _loaders(plan, engine, world, data_dirs)
     wandb = WandbSettings(mode=wandb_mode(cfg.wandb), project=cfg.wandb_project,
@@ -248,7 +256,7 @@ def _trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state: Tra
                         log_every=cfg.log_every, eval_every=cfg.eval_every,
                         save_every=cfg.save_every, keep_last=cfg.keep_last,
                         skip_failed_saves=cfg.save_errors == "skip")
-    guards = _guards(plan, world, state, engine, train_spec, logger)
+    guards = _guards(plan, world, state, engine, train_spec, logger, stops)
     return Trainer(engine=engine, world=world, device=plan.device.torch_device(world.local_rank),
                    schedule=schedule, state=state, seq_len=cfg.seq_len, objective=plan.objective,
                    train_batches=train_batches, eval_sets=eval_sets, logger=logger,
@@ -297,7 +305,7 @@ def _loaders(plan: Plan, engine, world: World,
 
 
 def _guards(plan: Plan, world: World, state: TrainState, engine, train_spec,
-                 logger: MetricsLogger) -> Guards:
+                 logger: MetricsLogger, stops: StopRequests) -> Guards:
     """Anomaly recovery (its rules and monitor, the skipped batches: every rank reads them, a
     resume skips them too), the agreed stop signals, the watchdog."""
     from app.data.loader import batch_samples
@@ -312,5 +320,5 @@ def _guards(plan: Plan, world: World, state: TrainState, engine, train_spec,
         rules=rules, monitor=anomaly.LossMonitor(rules, plan.device.torch_device(world.local_rank)),
         skip=skip, describe_batch=lambda g: batch_samples(train_spec, g, gbs), state=state,
         global_batch=gbs, run_dir=cfg.out, logger=logger, is_main=world.is_main)
-    return Guards(recovery=recovery, stops=StopRequests(world.world_size > 1),
+    return Guards(recovery=recovery, stops=stops,
                   watchdog=Watchdog(cfg.hang_timeout, world.rank))

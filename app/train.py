@@ -11,13 +11,19 @@ import sys
 import time
 from typing import Any
 
+from app.faults import preemption
+
+# Before the imports below load torch (seconds): a scheduler's signal from the first moment
+# ends the run at build's first safe point instead of killing it (app/faults/preemption.py).
+preemption.catch()
+
 from app import config as config_mod
 from app import reference, rundir
 from app.build import build
 from app.config import TrainConfig
 from app.runtime.dist import barrier, lost_peer, shutdown
 from app.settle import Plan
-from data_tools.errors import Stopped
+from data_tools.errors import EXIT_USER_ERROR, Stopped, UserError
 from data_tools.output import write_json_atomic
 
 EXIT_LOST_PEER = 1  # another rank failed first: its output has the reason
@@ -28,6 +34,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train; the exit status is also written for launch.sh (app.faults.preemption)."""
+    code = 1
+    try:
+        code = train(args)
+    except Exception as e:
+        stopped = preemption.starting_stopped(e)  # a start-up a stop signal broke
+        code = exit_status(stopped or e)
+        if stopped is None:
+            raise
+        raise stopped from None
+    except KeyboardInterrupt:
+        code = 130
+        raise
+    finally:
+        preemption.record_exit(code)
+        preemption.release()
+    return code
+
+
+def exit_status(error: Exception) -> int:
+    """The status data_tools.errors.run_cli gives `error`."""
+    if isinstance(error, Stopped):
+        return error.code
+    return EXIT_USER_ERROR if isinstance(error, (UserError, OSError)) else 1
+
+
+def train(args: argparse.Namespace) -> int:
     started = time.time()
     cfg = TrainConfig.from_args(args)
     built = build(cfg)

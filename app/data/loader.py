@@ -12,6 +12,7 @@ Labels: MLM, see app.data.masking (IGNORE_INDEX off the selected positions); CLM
 """
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -376,12 +377,21 @@ class MicroBatches:
         return (self.layout.unpack(p) for p in packed)
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """A loader worker's first act: a scheduler signals every process of the job, and a worker
+    that died of it would fail its rank's next batch before the rank could save. The rank alone
+    answers the signal (app.faults.preemption) and shuts its workers down."""
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+
+
 def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_workers: int,
             pin_memory: bool, prefetch_factor: int) -> MicroBatches:
     layout = BatchLayout.of(dataset.spec)
     extra = {}
     if num_workers > 0:
-        extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor}
+        extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor,
+                 "worker_init_fn": ignore_stop_signals}
     # A private generator: DataLoader draws its workers' base seed from it on every iter(),
     # which would otherwise advance the global torch RNG (dropout) and break exact resume.
     generator = torch.Generator().manual_seed(0)

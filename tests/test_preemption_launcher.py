@@ -1,0 +1,108 @@
+"""Preemption through launch.sh: a scheduler signals every process of the job step at once
+(launch.sh, DeepSpeed's runner and launch.py, the ranks, their loader workers). A real 2-rank job
+with a loader worker a rank, in its own session, signalled the way Slurm does: in the loop it
+saves one checkpoint and launch.sh exits 75, and the same command resumes; during start-up it
+stops with 75 and nothing written half."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, TINY, clean_env
+
+LAUNCH = REPO / "launch.sh"
+EXIT_PREEMPTED = 75
+pytestmark = pytest.mark.multirank
+
+
+def start_job(data: Path, out: Path, max_steps: int) -> subprocess.Popen:
+    """launch.sh with 2 ranks and a loader worker each, in a session of its own (setsid)."""
+    args = ["--data", data, "--out", out, *TINY, "--num-workers", "1", "--model", "bert-tiny",
+            "--max-steps", max_steps, "--save-every", 1000, "--log-every", 1]
+    return subprocess.Popen(["bash", str(LAUNCH), "--procs-per-node", "2", "--",
+                             *map(str, args)], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def signal_session(sid: int, signum: int) -> int:
+    """`kill -SIG $(pgrep -s SID)`: every process of the job at once; how many there were."""
+    pids = [int(p) for p in subprocess.run(["pgrep", "-s", str(sid)], capture_output=True,
+                                           text=True).stdout.split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+    return len(pids)
+
+
+def wait_until(ready, job: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert job.poll() is None, job.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the job did not get there in time"
+        time.sleep(0.2)
+
+
+def logged_steps(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum('"train/loss"' in line for line in path.read_text().splitlines())
+
+
+def finish(job: subprocess.Popen, sid: int, timeout: float = 180) -> str:
+    try:
+        text, _ = job.communicate(timeout=timeout)
+        return text
+    finally:
+        signal_session(sid, signal.SIGKILL)  # whatever the job left behind
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
+def test_a_signal_to_every_process_of_the_job_saves_and_exits_75(mlm_dataset, tmp_path, signum):
+    out = tmp_path / "run"
+    job = start_job(mlm_dataset, out, max_steps=40)
+    wait_until(lambda: logged_steps(out) >= 3, job)
+    assert signal_session(job.pid, signum) > 6  # launch.sh, runner, launch.py, 2 ranks, workers
+    text = finish(job, job.pid)
+    assert job.returncode == EXIT_PREEMPTED, text[-3000:]
+    assert "Traceback" not in text
+    tag = (out / "checkpoints" / "latest").read_text().strip()
+    stopped_at = int(tag.removeprefix("global_step"))
+    assert 3 <= stopped_at < 40 and (out / "checkpoints" / tag).is_dir()
+
+    again = start_job(mlm_dataset, out, max_steps=40)  # the same command continues
+    text = finish(again, again.pid, timeout=600)
+    assert again.returncode == 0, text[-3000:]
+    assert f"resumed from {out / 'checkpoints' / tag} at step {stopped_at}" in text
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if '"train/loss"' in line]
+    assert steps[-1] == 40 and steps.count(stopped_at + 1) == 1
+
+
+def test_a_signal_during_start_up_stops_cleanly_with_75(mlm_dataset, tmp_path):
+    out = tmp_path / "run"
+    job = start_job(mlm_dataset, out, max_steps=40)
+    log: list[str] = []
+
+    def planned() -> bool:  # the plan is printed before the run directory and the group
+        log.append(job.stdout.readline())
+        return "data:" in log[-1]
+
+    wait_until(planned, job)
+    signal_session(job.pid, signal.SIGTERM)
+    text = "".join(log) + finish(job, job.pid)
+    assert job.returncode == EXIT_PREEMPTED, text[-3000:]
+    assert "nothing new to save; run the same command again (exit status 75)" in text
+    assert "Traceback" not in text
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+    leftovers = [p.name for p in out.rglob("*") if ".tmp" in p.name] if out.exists() else []
+    assert leftovers == []

@@ -68,11 +68,11 @@ def test_a_damaged_latest_resumes_the_newest_complete_tag(run0, mlm_dataset, tmp
     before = snapshot(run / "checkpoints" / TAG5)
     steps = logged_steps(run)
     proc = check(resume(mlm_dataset, run))
-    assert "resuming from global_step10, the newest complete checkpoint" in proc.stderr
-    assert "at step 10" in proc.stderr
     assert snapshot(run / "checkpoints" / TAG5) == before
     assert logged_steps(run)[:len(steps)] == steps and max(logged_steps(run)) == 12
     assert min(logged_steps(run)[len(steps):]) > 10
+    assert "resuming from global_step10, the newest complete checkpoint" in proc.stderr
+    assert "at step 10" in proc.stderr
 
 
 def test_no_complete_tag_is_refused_naming_what_is_there(run0, mlm_dataset, tmp_path):

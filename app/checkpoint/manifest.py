@@ -14,6 +14,8 @@ did not write. Hashing files just written reads them from the page cache (bench:
 """
 from __future__ import annotations
 
+import mmap
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,6 @@ from data_tools.schema import NonNegativeInt, Schema, read_json
 
 NAME = "manifest.json"
 ALGORITHM = "xxh3_64"
-CHUNK = 8 << 20
 # rng_rank{R}.pt is ours; DeepSpeed's ZeRO partitions are (bf16_)zero_pp_rank_{R}_mp_rank_..
 RANK_RE = re.compile(r"^rng_rank(\d+)\.pt$|(?:^|_)pp_rank_(\d+)_")
 
@@ -45,12 +46,13 @@ class ManifestFile(Schema):
 
 
 def checksum(path: Path) -> str:
-    """xxh3_64 of the file's bytes, read in 8 MiB chunks."""
-    h = xxhash.xxh3_64()
+    """xxh3_64 of the file's bytes, mapped rather than read (3-4x faster: no copy out of the
+    page cache)."""
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_64(b"").hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return xxhash.xxh3_64(m).hexdigest()
 
 
 def writer_of(name: str) -> int:

@@ -118,6 +118,7 @@ def choose_auto(ckpt_dir: Path, notes: list[str]) -> str | None:
     """The newest complete tag (None when there are no tags); each tag passed over, and a
     `latest` not followed, is said in `notes`. UserError when no tag is complete."""
     tags, named = all_tags(ckpt_dir), latest_tag(ckpt_dir)
+    problems = []
     for tag in tags:
         problem = tag_problem(ckpt_dir, tag)
         if problem is None:
@@ -127,10 +128,11 @@ def choose_auto(ckpt_dir: Path, notes: list[str]) -> str | None:
                              f"checkpoint")
             return tag
         notes.append(f"resume: skipping {tag}, {problem[0]}: {problem[1]}")
+        problems.append(f"{tag} {problem[0]} ({problem[1]})")
     if tags:
-        raise UserError(f"{ckpt_dir}: no complete checkpoint to resume ({', '.join(tags)} "
-                        f"incomplete or damaged, see above); nothing was changed: resume one "
-                        f"with --resume PATH once fixed, or start over with --overwrite")
+        raise UserError(f"{ckpt_dir}: no complete checkpoint to resume: {'; '.join(problems)}; "
+                        f"nothing was changed: resume one with --resume PATH once fixed, or "
+                        f"start over with --resume never --overwrite")
     return None
 
 
@@ -313,8 +315,8 @@ def remove_partial_saves(ckpt_dir: Path) -> list[str]:
             removed.append(name)
             continue
         (ckpt_dir / name).rename(aside)
-        print(f"moved {ckpt_dir / name} to {aside.name}: damaged ({why}); delete it once "
-              f"looked at", file=sys.stderr, flush=True)
+        print(f"moved {ckpt_dir / name} aside to {aside.name}: damaged ({why.split(': ')[0]}); "
+              f"delete it once looked at", file=sys.stderr, flush=True)
     return removed
 
 

@@ -124,8 +124,8 @@ def prepare_run_dir(cfg: TrainConfig, resume: tuple[Path, str] | None) -> None:
     if cfg.resume != "auto":
         return
     for tag in checkpoint.remove_partial_saves(cfg.out / rundir.CHECKPOINTS):
-        print(f"removed {cfg.out / rundir.CHECKPOINTS / tag}: an interrupted save (`latest` "
-              f"names an earlier checkpoint)", file=sys.stderr)
+        print(f"removed {cfg.out / rundir.CHECKPOINTS / tag}: an interrupted save (resuming "
+              f"an earlier checkpoint)", file=sys.stderr)
 
 
 def stage_data(cfg: TrainConfig, sources: Sources, world: World) -> list[Path]:

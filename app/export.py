@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     tag = args.tag or checkpoint.latest_tag(ckpt_dir)
     if tag is None or not (ckpt_dir / tag).is_dir():
         raise UserError(f"{ckpt_dir}: no checkpoint {'tag ' + tag if tag else 'to export'}")
-    checkpoint.check_files(ckpt_dir / tag)
+    if not checkpoint.check_files(ckpt_dir / tag):  # verified against its manifest, or said
+        print(checkpoint.unverified_note(ckpt_dir / tag), file=sys.stderr)
     model_cfg = rebuild_config(run_config, run_dir)
     model = build_model(model_cfg)
     # the tag's own stage: a run that switched stage keeps checkpoints of each (app/checkpoint/universal.py)

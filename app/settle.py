@@ -77,7 +77,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     for warning in validate_ds_config(ds, ds_path):
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
-    resume = settle_resume(cfg, sources, model_config, objective)
+    resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
     switch = settle_switch(resume, ds, world, gbs)
     if world.is_main:
         print_data(sources, stats, cfg.seq_len, gbs, total_steps)
@@ -188,10 +188,14 @@ def settle_schedule(cfg: TrainConfig, global_batch: int) -> tuple[int, int, Call
                                             decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)
 
 
-def settle_resume(cfg: TrainConfig, sources: Sources, model_config,
-                  objective: str) -> tuple[Path, str] | None:
-    """The checkpoint to resume from, checked against this run (or None)."""
-    resume = check_run_dir(cfg, sources)
+def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: str,
+                  is_main: bool = True) -> tuple[Path, str] | None:
+    """The checkpoint to resume from, checked against this run (or None); its files are
+    verified against its manifest (each rank reads them: the same decision everywhere)."""
+    notes: list[str] = []
+    resume = check_run_dir(cfg, sources, notes)
+    for note in notes if is_main else ():
+        print(note, file=sys.stderr)
     if resume is None:
         return None
     where = resume[0] / resume[1]
@@ -200,7 +204,8 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config,
     checkpoint.check_resumable(state, fingerprint=sources.fingerprint,
                                model_config=model_config.to_dict(),
                                sample_layout=sample_layout(cfg, objective), where=where)
-    checkpoint.check_files(where)
+    if not checkpoint.check_files(where) and is_main and not is_universal(where):
+        print(checkpoint.unverified_note(where), file=sys.stderr)
     return resume
 
 
@@ -328,23 +333,31 @@ def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
     return micro, accum, micro * accum * world_size
 
 
-def check_run_dir(cfg: TrainConfig, sources: Sources) -> tuple[Path, str] | None:
-    """The checkpoint to resume from (or None), refusing to clobber a previous run silently."""
+def check_run_dir(cfg: TrainConfig, sources: Sources,
+                  notes: list[str] | None = None) -> tuple[Path, str] | None:
+    """The checkpoint to resume from (or None), refusing to clobber a previous run silently:
+    a run directory with checkpoints (even with `latest` gone) is never started over without
+    --overwrite, nor continued from another run's checkpoint."""
     rundir.check_out(cfg.out, sources.paths)
     ckpt_dir = cfg.out / rundir.CHECKPOINTS
-    resume = checkpoint.find_resume(cfg.resume, cfg.out)
+    resume = checkpoint.find_resume(cfg.resume, cfg.out, notes)
+    previous = [n for n in (rundir.CHECKPOINTS, rundir.METRICS, rundir.SUMMARY)
+                if (cfg.out / n).exists()]
     if resume is None and not cfg.overwrite:
-        previous = [n for n in (rundir.CHECKPOINTS, rundir.METRICS, rundir.SUMMARY)
-                    if (cfg.out / n).exists()]
-        has_ckpt = checkpoint.latest_tag(ckpt_dir) is not None
+        has_ckpt = bool(checkpoint.all_tags(ckpt_dir)) or (ckpt_dir / checkpoint.LATEST).exists()
         if previous and (cfg.resume == "never" or has_ckpt):
             raise UserError(f"--out {cfg.out}: holds a previous run ({', '.join(previous)}); "
                             f"continue it with --resume auto, or replace it with --overwrite")
-    # with --resume auto, tags newer than `latest` are interrupted saves (prepare_run_dir)
-    if resume is not None and cfg.resume != "auto":
-        newer = checkpoint.tags_after(ckpt_dir, resume[1])
-        if newer:  # saving here would interleave two histories and prune the wrong one
-            raise UserError(f"--resume {resume[0] / resume[1]}: {ckpt_dir} holds later "
-                            f"checkpoints ({', '.join(newer)}); resume into another --out, or "
-                            f"move those away")
+    if resume is None or cfg.resume == "auto":
+        return resume  # with --resume auto, what follows the tag is cleared (prepare_run_dir)
+    held = [n for n in (rundir.RUN_CONFIG, *previous) if (cfg.out / n).exists()]
+    if held and resume[0].resolve() != ckpt_dir.resolve():
+        raise UserError(f"--out {cfg.out}: holds another run ({', '.join(held)}); resuming "
+                        f"{resume[0] / resume[1]} there would mix two runs: resume into a new "
+                        f"--out, or continue that run with --resume auto (nothing was changed)")
+    newer = checkpoint.tags_after(ckpt_dir, resume[1])
+    if newer:  # saving here would interleave two histories and prune the wrong one
+        raise UserError(f"--resume {resume[0] / resume[1]}: {ckpt_dir} holds later "
+                        f"checkpoints ({', '.join(newer)}); resume into another --out, or "
+                        f"move those away")
     return resume

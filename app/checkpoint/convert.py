@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{source}: already a converted checkpoint; resume from it directly "
                         f"(any stage and world size)")
     state = checkpoint.read_state(ckpt_dir, tag)
-    checkpoint.check_files(source)
+    if not checkpoint.check_files(source):  # verified against its manifest, or said
+        print(checkpoint.unverified_note(source), file=sys.stderr)
     saved = universal.saved_layout(state)
     target = universal.Layout(args.to_zero, args.to_world, args.to_precision or saved.precision,
                               saved.offload if args.to_zero > 0 else False)

@@ -5,13 +5,18 @@ Layout under RUN_DIR/checkpoints/:
     global_step{N}/             DeepSpeed's files (model, optimizer/ZeRO partitions, scheduler)
     global_step{N}/train_state.json   step, consumed samples, tokens, dataset fingerprint, config
     global_step{N}/rng_rank{R}.pt     each rank's RNG states (dropout), written by that rank
+    global_step{N}/manifest.json      every file's size and checksum, written last
+                                      (app/checkpoint/manifest.py)
     latest                      the newest complete tag (ours, written atomically once every
-                                rank's files are on disk)
+                                rank's files and the manifest are on disk)
 
 Our files are written before DeepSpeed's save, so `latest` never names a tag without them;
 train_state.json lets a resume be checked (and refused) before any process group starts. A tag
-newer than `latest` is what an interrupted save left: a resume removes it. A save that fails
-(a full disk, a permission) removes its partial tag and leaves `latest` where it was.
+is complete when its manifest matches its files: an interrupted save is known by what it lacks
+(no manifest), a damaged one by the file that differs, never by its age. `--resume auto` takes
+the newest complete tag (whatever `latest` says, or when it is gone) and clears the tags after
+it: interrupted ones are removed, damaged ones set aside as TAG.damaged. A save that fails (a
+full disk, a permission) removes its partial tag and leaves `latest` where it was.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from typing import Any
 import torch
 
 from app.faults import injection as faults
-from app.checkpoint import universal
+from app.checkpoint import manifest, universal
 from app.runtime.device import rng_state, set_rng_state
 from app.runtime.dist import any_rank, barrier, world_size
 from app.rundir import CHECKPOINTS
@@ -70,17 +75,80 @@ def tags_after(ckpt_dir: Path, tag: str) -> list[str]:
                   key=lambda name: int(TAG_RE.match(name).group(1)))
 
 
-def find_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
+def all_tags(ckpt_dir: Path) -> list[str]:
+    """Every tag directory in `ckpt_dir`, newest (highest step) first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted((p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG_RE.match(p.name)),
+                  key=step_of, reverse=True)
+
+
+def latest_problem(ckpt_dir: Path) -> str | None:
+    """What is wrong with `latest` (None when it names a tag directory)."""
+    path = ckpt_dir / LATEST
+    if not path.is_file():
+        return f"{path} is missing"
+    text = path.read_bytes().decode("utf-8", errors="replace").strip()
+    if not text:
+        return f"{path} is empty"
+    return None if latest_tag(ckpt_dir) else f"{path} names no checkpoint ({text[:40]!r})"
+
+
+def tag_problem(ckpt_dir: Path, tag: str) -> tuple[str, str] | None:
+    """Why tag `tag` cannot be resumed, naming the file (None: it can): ("interrupted", why)
+    for a save that did not finish (no train_state.json, or no manifest though one was due, or
+    before manifests a file cut short), ("damaged", why) for files that differ from the
+    manifest."""
+    tag_dir = ckpt_dir / tag
+    try:
+        state = read_state(ckpt_dir, tag)
+    except UserError as e:
+        return "interrupted", str(e)
+    try:
+        verified = check_files(tag_dir)
+    except UserError as e:
+        return ("damaged" if (tag_dir / manifest.NAME).is_file() else "interrupted"), str(e)
+    if not verified and "manifest" in state:
+        return "interrupted", (f"{tag_dir / manifest.NAME}: missing, an interrupted save (the "
+                               f"manifest is written last)")
+    return None
+
+
+def choose_auto(ckpt_dir: Path, notes: list[str]) -> str | None:
+    """The newest complete tag (None when there are no tags); each tag passed over, and a
+    `latest` not followed, is said in `notes`. UserError when no tag is complete."""
+    tags, named = all_tags(ckpt_dir), latest_tag(ckpt_dir)
+    problems = []
+    for tag in tags:
+        problem = tag_problem(ckpt_dir, tag)
+        if problem is None:
+            if tag != named:
+                why = latest_problem(ckpt_dir) or f"{ckpt_dir / LATEST} names {named}"
+                notes.append(f"resume: {why}; resuming from {tag}, the newest complete "
+                             f"checkpoint")
+            return tag
+        notes.append(f"resume: skipping {tag}, {problem[0]}: {problem[1]}")
+        problems.append(f"{tag} {problem[0]} ({problem[1]})")
+    if tags:
+        raise UserError(f"{ckpt_dir}: no complete checkpoint to resume: {'; '.join(problems)}; "
+                        f"nothing was changed: resume one with --resume PATH once fixed, or "
+                        f"start over with --resume never --overwrite")
+    return None
+
+
+def find_resume(resume: str, run_dir: Path,
+                notes: list[str] | None = None) -> tuple[Path, str] | None:
     """(checkpoint dir, tag) to resume from, or None to start fresh.
 
-    `auto`: RUN_DIR's latest checkpoint if there is one. `never`: None. A path: a run directory,
-    its checkpoints/ directory or one tag directory; UserError when it holds no checkpoint.
+    `auto`: RUN_DIR's newest complete checkpoint if there is one (`choose_auto`; what it passed
+    over goes to `notes`). `never`: None. A path: a run directory, its checkpoints/ directory
+    or one tag directory; UserError when it holds no checkpoint.
     """
     if resume == "never":
         return None
     if resume == "auto":
         ckpt_dir = run_dir / CHECKPOINTS
-        tag = latest_tag(ckpt_dir)
+        tag = choose_auto(ckpt_dir, notes if notes is not None else [])
         return (ckpt_dir, tag) if tag else None
     path = Path(resume)
     if not path.exists():
@@ -91,6 +159,10 @@ def find_resume(resume: str, run_dir: Path) -> tuple[Path, str] | None:
             return ckpt_dir, tag
     if (path / STATE).is_file():
         return path.parent, path.name
+    tags = [t for d in (path / CHECKPOINTS, path) for t in all_tags(d)]
+    if tags:
+        raise UserError(f"--resume {path}: no '{LATEST}' naming a checkpoint there; its tags: "
+                        f"{', '.join(tags)}: pass one tag directory")
     raise UserError(f"--resume {path}: no checkpoint there (no '{LATEST}' file, no {STATE})")
 
 
@@ -100,9 +172,13 @@ def read_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
                                                    f"or not one of this app's)")
 
 
-def check_files(tag_dir: Path) -> None:
-    """Refuse a checkpoint whose files are cut short (a zip's central directory sits at its end,
-    so opening each one is a cheap check that catches truncation); names the file."""
+def check_files(tag_dir: Path) -> bool:
+    """Refuse a checkpoint whose files differ from its manifest (app/checkpoint/manifest.py) or,
+    without one, are cut short (a zip's central directory sits at its end, so opening each one
+    is a cheap check that catches truncation); names the file. True: verified by its manifest;
+    False: a tag made before manifests (or a converted one), checked for structure only."""
+    if manifest.verify(tag_dir):
+        return True
     files = sorted(tag_dir.glob("*.pt"))
     if universal.is_universal(tag_dir):
         universal.read_info(tag_dir)
@@ -116,6 +192,12 @@ def check_files(tag_dir: Path) -> None:
                 pass
         except (zipfile.BadZipFile, OSError, EOFError) as e:
             raise UserError(f"{f}: corrupt or truncated checkpoint file ({e})") from None
+    return False
+
+
+def unverified_note(tag_dir: Path) -> str:
+    return (f"note: {tag_dir}: made before checkpoint manifests (no {manifest.NAME}); its files "
+            f"are checked for structure only, not verified")
 
 
 def check_resumable(state: dict[str, Any], *, fingerprint: str, model_config: dict[str, Any],
@@ -176,11 +258,15 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
     try:
         with output.writing(tag_dir, needed):
             _write(engine, ckpt_dir, tag, state, rank)
+            entries = manifest.own_entries(tag_dir, rank)  # hashed by the rank that wrote them
     except UserError as e:
         shutil.rmtree(tag_dir, ignore_errors=True)
         return _save_failed(str(e), tag, ckpt_dir, skip_errors and world_size() == 1)
-    barrier()  # every rank's partitions are on disk before `latest` moves or anything goes
+    # a collective: every rank's partitions are on disk before the manifest, then `latest`
+    entries = manifest.gather_entries(entries)
     if rank == 0:
+        with output.writing(tag_dir):
+            manifest.write(tag_dir, entries)
         output.write_text_atomic(ckpt_dir / LATEST, tag)
         prune(ckpt_dir, keep_last)
     barrier()  # no rank reads `latest` (or starts the next save) before it is written
@@ -190,6 +276,7 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
 def _write(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int) -> None:
     tag_dir = ckpt_dir / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
+    state = {**state, "manifest": manifest.NAME}  # this tag is complete once its manifest is
     torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
     if rank == 0:
         output.write_json_atomic(tag_dir / STATE, state)
@@ -213,14 +300,24 @@ def _save_failed(message: str, tag: str, ckpt_dir: Path, skip: bool) -> None:
 
 
 def remove_partial_saves(ckpt_dir: Path) -> list[str]:
-    """Delete tags newer than `latest`: saves that were interrupted before they completed."""
-    tag = latest_tag(ckpt_dir)
+    """Clear the tags after the one `--resume auto` takes (`choose_auto`), which a resume would
+    otherwise save over: interrupted saves are deleted (returned), damaged tags are set aside as
+    TAG.damaged (said here). A complete tag is never among them, whatever `latest` says."""
+    tag = choose_auto(ckpt_dir, [])
     if tag is None:
         return []
-    newer = tags_after(ckpt_dir, tag)
-    for name in newer:
-        shutil.rmtree(ckpt_dir / name, ignore_errors=True)
-    return newer
+    removed = []
+    for name in tags_after(ckpt_dir, tag):
+        kind, why = tag_problem(ckpt_dir, name) or ("interrupted", "")
+        aside = ckpt_dir / f"{name}.damaged"
+        if kind == "interrupted" or aside.exists():
+            shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+            removed.append(name)
+            continue
+        (ckpt_dir / name).rename(aside)
+        print(f"moved {ckpt_dir / name} aside to {aside.name}: damaged ({why.split(': ')[0]}); "
+              f"delete it once looked at", file=sys.stderr, flush=True)
+    return removed
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> list[str]:
@@ -244,6 +341,7 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
     tag_dir = ckpt_dir / tag
     if universal.is_universal(tag_dir):
         return universal.load(engine, tag_dir)
+    check_files(tag_dir)  # a rollback reads a tag no one checked yet (a resume's: hashed once)
     state = read_state(ckpt_dir, tag)
     here = universal.layout_of(engine.config, world_size())
     if not universal.saved_layout(state).loads_natively(here):

@@ -1,0 +1,113 @@
+"""The manifest of a checkpoint tag: every file with its size and xxh3_64 checksum, written last.
+
+A tag is complete when its manifest is there and every file it lists has its size and checksum;
+what is missing says what went wrong: no manifest (while train_state.json says one was due) is
+an interrupted save, a missing or different file is a damaged tag, and the file is named. Tags
+made before manifests existed have none and no `manifest` entry in train_state.json: they are
+"unverified" (checked for structure only, as before).
+
+Who hashes what: each rank hashes the files it wrote (rank r: rng_rank{r}.pt and DeepSpeed's
+*_pp_rank_{r}_* partitions; rank 0 also every file without a rank), right after its own save;
+the entries are gathered to rank 0, which writes manifest.json once every rank's files are on
+disk. On several nodes a rank cannot see another node's local disk, so no rank hashes a file it
+did not write. Hashing files just written reads them from the page cache (bench: docs).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from data_tools import output
+from data_tools.errors import UserError
+from data_tools.schema import NonNegativeInt, Schema, read_json
+
+NAME = "manifest.json"
+ALGORITHM = "xxh3_64"
+# rng_rank{R}.pt is ours; DeepSpeed's ZeRO partitions are (bf16_)zero_pp_rank_{R}_mp_rank_..
+RANK_RE = re.compile(r"^rng_rank(\d+)\.pt$|(?:^|_)pp_rank_(\d+)_")
+
+
+class Entry(Schema):
+    size: NonNegativeInt
+    xxh3_64: str
+
+
+class ManifestFile(Schema):
+    """TAG/manifest.json."""
+
+    algorithm: str
+    files: dict[str, Entry]
+
+
+def checksum(path: Path) -> str:
+    """xxh3_64 of the file's bytes, mapped rather than read (3-4x faster: no copy out of the
+    page cache)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_64(b"").hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return xxhash.xxh3_64(m).hexdigest()
+
+
+def writer_of(name: str) -> int:
+    """The rank that writes file `name` of a tag (0 for every file without a rank)."""
+    m = RANK_RE.search(name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
+def own_entries(tag_dir: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """This rank's files in `tag_dir`, hashed (call after this rank's save returned)."""
+    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != NAME)
+    return {str(p.relative_to(tag_dir)): {"size": p.stat().st_size, ALGORITHM: checksum(p)}
+            for p in files if writer_of(p.name) == rank}
+
+
+def gather_entries(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's entries, merged (a collective where there are several ranks)."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return entries
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, entries)
+    return {k: v for part in every for k, v in part.items()}
+
+
+def write(tag_dir: Path, entries: dict[str, dict[str, Any]]) -> None:
+    """The manifest, atomically (main rank, after every rank's files are on disk)."""
+    output.write_json_atomic(tag_dir / NAME, {"algorithm": ALGORITHM,
+                                              "files": dict(sorted(entries.items()))})
+
+
+_verified: dict[tuple, bool] = {}
+
+
+def verify(tag_dir: Path) -> bool:
+    """True when the tag's files match its manifest, False when it has none (a tag made before
+    manifests); UserError naming the first file that is missing, of another size or corrupt."""
+    path = tag_dir / NAME
+    if not path.is_file():
+        return False
+    manifest = read_json(path, ManifestFile)
+    if manifest["algorithm"] != ALGORITHM:
+        raise UserError(f"{path}: algorithm {manifest['algorithm']!r}, expected {ALGORITHM}")
+    for name, entry in manifest["files"].items():
+        f = tag_dir / name
+        if not f.is_file():
+            raise UserError(f"{f}: missing (listed in {NAME}): the checkpoint is incomplete")
+        stat = f.stat()
+        if stat.st_size != entry["size"]:
+            raise UserError(f"{f}: {stat.st_size} bytes, {entry['size']} when saved: the file "
+                            f"is truncated or replaced")
+        key = (str(f), stat.st_size, stat.st_mtime_ns, entry[ALGORITHM])
+        if key in _verified:  # read once per process (settle, then load)
+            continue
+        if checksum(f) != entry[ALGORITHM]:
+            raise UserError(f"{f}: checksum {ALGORITHM} differs from {NAME}'s: the file is "
+                            f"corrupt (changed after the save)")
+        _verified[key] = True
+    return True

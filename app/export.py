@@ -1,9 +1,9 @@
 """`python -m app export RUN_DIR --out DIR`: a run's weights, config and tokenizer in Hugging Face
 format (safetensors), loadable with `AutoModelForMaskedLM/CausalLM.from_pretrained(DIR)`.
 
-Weights come from the checkpoint as fp32 (app.checkpoint.store.consolidated_state_dict). The export is
-written to a temporary directory and renamed into place, so DIR is either complete or absent. When
-the run left its reference logits for the same step (app.reference), the exported model is
+Weights come from the checkpoint as fp32 (app.checkpoint.store.consolidated_state_dict). The export
+is written to a temporary directory and renamed into place, so DIR is either complete or absent.
+When the run left its reference logits for the same step (app.reference), the exported model is
 checked against them before it is put in place.
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print(checkpoint.unverified_note(ckpt_dir / tag), file=sys.stderr)
     model_cfg = rebuild_config(run_config, run_dir)
     model = build_model(model_cfg)
-    # the tag's own stage: a run that switched stage keeps checkpoints of each (app/checkpoint/universal.py)
+    # the tag's own stage: a run that switched stage keeps checkpoints of each
+    # (app/checkpoint/universal.py)
     stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
     state_dict = checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
     load_weights(model, state_dict, where=ckpt_dir / tag)

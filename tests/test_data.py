@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.data.loader import (BatchLayout, DataSpec, TokenWindows, build_eval_loader, build_train_loader,
-                      dataset_stats, default_num_workers)
+from app.data.loader import (BatchLayout, DataSpec, TokenWindows, build_eval_loader,
+                             build_train_loader, dataset_stats, default_num_workers)
 from app.data.masking import IGNORE_INDEX
 from app.data.order import Permutation
 from data_tools.errors import UserError

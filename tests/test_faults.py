@@ -1,8 +1,9 @@
 """Never lose a run, with real processes and faults injected behind test-only switches
-(app/faults/injection.py): a NaN and a spike from a poisoned batch (rollback, skip, recovery), SIGTERM on
-one of two ranks (a checkpoint, exit 75, an exact resume), SIGKILL of one of two ranks (resume,
-bit-identical weights), a process killed in the middle of a save (the previous checkpoint used),
-ids past the vocabulary (one line naming the shard), and a hung rank (the watchdog names it)."""
+(app/faults/injection.py): a NaN and a spike from a poisoned batch (rollback, skip, recovery),
+SIGTERM on one of two ranks (a checkpoint, exit 75, an exact resume), SIGKILL of one of two ranks
+(resume, bit-identical weights), a process killed in the middle of a save (the previous checkpoint
+used), ids past the vocabulary (one line naming the shard), and a hung rank (the watchdog names it).
+"""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
-"""FLOPs per token (app.telemetry.flops) and the accelerator table (app.telemetry.hardware): the MFU building blocks."""
+"""FLOPs per token (app.telemetry.flops) and the accelerator table (app.telemetry.hardware): the
+MFU building blocks."""
 from __future__ import annotations
 
 import pytest

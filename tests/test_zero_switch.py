@@ -1,5 +1,6 @@
-"""Switching ZeRO stage and world size mid-run (app/checkpoint/universal.py, app/checkpoint/convert.py), and ZeRO-3
-models built partitioned (app/runtime/zero3_init.py `partitioned`). Real processes, the real launcher, fp32.
+"""Switching ZeRO stage and world size mid-run (app/checkpoint/universal.py,
+app/checkpoint/convert.py), and ZeRO-3 models built partitioned (app/runtime/zero3_init.py
+`partitioned`). Real processes, the real launcher, fp32.
 
 A run under (stage a, W ranks) saves at step 4; the same run resumed from that checkpoint under
 (stage b, W' ranks) with the same global batch must log the same losses for steps 5-8 as the

@@ -1,11 +1,11 @@
 """`python -m app convert CKPT --to-zero N --to-world W [--out DIR]`: a checkpoint made loadable
 under another ZeRO stage and world size, offline (no process group, no accelerator).
 
-Writes the checkpoint's universal form (app/checkpoint/universal.py): every parameter whole, with its fp32
-master and both Adam moments, the step and the LR schedule. `train --resume` does the same by
-itself when it meets a checkpoint of another layout; converting ahead is for big checkpoints
-(the conversion then does not run inside the job, under its collective timeout) and to check a
-switch before a cluster is booked. The source is never modified.
+Writes the checkpoint's universal form (app/checkpoint/universal.py): every parameter whole, with
+its fp32 master and both Adam moments, the step and the LR schedule. `train --resume` does the same
+by itself when it meets a checkpoint of another layout; converting ahead is for big checkpoints (the
+conversion then does not run inside the job, under its collective timeout) and to check a switch
+before a cluster is booked. The source is never modified.
 """
 from __future__ import annotations
 

@@ -336,7 +336,8 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
     """Load model, optimizer and scheduler states; return the train state. RNG: `restore_rng`.
 
     A checkpoint written in another layout (ZeRO stage, world size, precision, offload) is
-    loaded through its universal form (app/checkpoint/universal.py): converted once by rank 0, next to it.
+    loaded through its universal form (app/checkpoint/universal.py): converted once by rank 0,
+    next to it.
     """
     tag_dir = ckpt_dir / tag
     if universal.is_universal(tag_dir):

@@ -28,7 +28,8 @@ class TrainState:
     tokens_seen: int = 0
     best_eval_loss: float | None = None
     cooldown: Cooldown = field(default_factory=Cooldown)
-    """The LR cool-down after a rollback (app.faults.anomaly): part of the schedule, so it resumes."""
+    """The LR cool-down after a rollback (app.faults.anomaly): part of the schedule, so it
+    resumes."""
     facts: dict[str, Any] = field(default_factory=dict)
     """What the run is (world_size, global_batch, dataset_fingerprint, model_config, run_config,
     ds_config): saved for checks, never loaded back."""

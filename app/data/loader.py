@@ -1,11 +1,11 @@
 """Training and eval samples from a dataset directory, and the loaders that feed them.
 
-A sample is made in three steps, each in its own module: the split's shards read as one token
-stream (app.data.stream), cut into samples by the packing (app.data.packing: "concat" windows across
-documents, or "doc", one document per sample), then, for MLM, masked (app.data.masking). Which sample a
-stream position reads is the order (app.data.order): a keyed permutation per epoch. A weighted mixture
-of datasets (MixtureSpec, MixedWindows) first picks the source and its own position (app.data.mixture),
-then reads that source like a lone dataset.
+A sample is made in three steps, each in its own module: the split's shards read as one token stream
+(app.data.stream), cut into samples by the packing (app.data.packing: "concat" windows across
+documents, or "doc", one document per sample), then, for MLM, masked (app.data.masking). Which
+sample a stream position reads is the order (app.data.order): a keyed permutation per epoch. A
+weighted mixture of datasets (MixtureSpec, MixedWindows) first picks the source and its own position
+(app.data.mixture), then reads that source like a lone dataset.
 
 Labels: MLM, see app.data.masking (IGNORE_INDEX off the selected positions); CLM, labels = input_ids
 (Hugging Face causal LMs shift internally) with IGNORE_INDEX on padding.

@@ -1,1 +1,1 @@
-"""Faults: anomaly detection and recovery, preemption signals, the hang watchdog, fault injection."""
+"""Faults: anomalies and recovery, preemption signals, the hang watchdog, fault injection."""

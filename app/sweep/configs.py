@@ -3,10 +3,10 @@ items parsed and checked, their cartesian product, where each configuration's ra
 `launch.sh` and `app train` flags that run it. Pure: app/sweep/command.py runs what this describes.
 
 Resources per rank are the same in every configuration of a sweep: by default the CPU threads and
-loader workers that the configuration with the most ranks per node can give each of its ranks
-(the node's cores shared by its ranks, `app.data.loader.default_num_workers`). A world of one is then
-not measured with the whole machine, and the scaling efficiency compares like with like: 2 ranks
-x 1 thread against 1 rank x 1 thread on a 2-core box. `threads=` and `workers=` override.
+loader workers that the configuration with the most ranks per node can give each of its ranks (the
+node's cores shared by its ranks, `app.data.loader.default_num_workers`). A world of one is then not
+measured with the whole machine, and the scaling efficiency compares like with like: 2 ranks x 1
+thread against 1 rank x 1 thread on a 2-core box. `threads=` and `workers=` override.
 """
 from __future__ import annotations
 

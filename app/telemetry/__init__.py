@@ -1,1 +1,1 @@
-"""Telemetry: step timing, throughput/MFU figures, FLOPs, the hardware table, sinks, `app report`."""
+"""Telemetry: step timing, throughput/MFU figures, FLOPs, the hardware table, sinks, reports."""

@@ -32,7 +32,8 @@ class RunShape:
     flops_per_token: float
     """Model FLOPs of a training token (forward and backward; app.telemetry.flops)."""
     peak_tflops: float | None
-    """The accelerator's dense peak for the run's precision (app.telemetry.hardware); None: no MFU."""
+    """The accelerator's dense peak for the run's precision (app.telemetry.hardware); None: no
+    MFU."""
 
 
 def interval(rows: Sequence[Sequence[float]], steps: int, shape: RunShape) -> dict[str, Any]:
@@ -105,7 +106,8 @@ def banner(shape: RunShape, *, nodes: int, total_steps: int, device: str | None)
                 f"no MFU: {device} is not in app/telemetry/hardware.py's table (--peak-tflops)")
     return (f"run: {shape.world_size} rank(s) on {nodes} node(s); global batch "
             f"{shape.global_batch:,} samples = {tokens_per_step:,} tokens; "
-            f"{shape.flops_per_token / 1e9:,.3f} GFLOPs a token (app/telemetry/flops.py); {total_steps:,} "
+            f"{shape.flops_per_token / 1e9:,.3f} GFLOPs a token (app/telemetry/flops.py); "
+            f"{total_steps:,} "
             f"steps = {total_steps * tokens_per_step:,} tokens to train; {peak}")
 
 

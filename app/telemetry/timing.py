@@ -1,5 +1,6 @@
 """Where training time goes: a window of steps between two log lines, its data wait and its
-forward time (docs/design.md, "Metrics"; app.telemetry.figures turns every rank's window into figures).
+forward time (docs/design.md, "Metrics"; app.telemetry.figures turns every rank's window into
+figures).
 
 The window pauses while the run evaluates or saves (that time is not training time) and counts
 how long the loop waited for the next batch. An accelerator runs ahead of the host, so the clock

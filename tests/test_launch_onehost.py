@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import TINY, clean_env
+
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.sh"
 
 
@@ -63,3 +65,16 @@ def test_no_ssh_keeps_the_hostfile(tmp_path):
     hosts.write_text("localhost slots=2\n")
     cmd = dry_run(hosts, "--no-ssh", "--node-rank", "0", "--master-addr", "localhost")
     assert value(cmd, "--hostfile") == str(hosts) and "--no_ssh" in cmd
+
+
+def test_one_host_hostfile_trains_on_this_box(tmp_path, mlm_dataset):
+    """The real launch: before, DeepSpeed's runner ssh'd to localhost and ended in a traceback."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=1\n")
+    out = tmp_path / "run"
+    r = subprocess.run(["bash", str(LAUNCH), "--hostfile", str(hosts), "--", "--data",
+                        str(mlm_dataset), "--out", str(out), *TINY, "--max-steps", "2"],
+                       capture_output=True, text=True, timeout=300, env=clean_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert (out / "summary.json").is_file()

@@ -205,6 +205,24 @@ active=("${hosts[@]:0:${nodes:-${#hosts[@]}}}")
 if [ "$no_ssh" = 1 ] && [ "$node_rank" -ge "${#active[@]}" ]; then
   die "--node-rank $node_rank is outside 0..$((${#active[@]} - 1)) (${#active[@]} node(s) in $hostfile)"
 fi
+# A hostfile whose one host is this box: DeepSpeed's runner takes any hostfile for a multi-node
+# launch and starts even this one host over ssh, so run on this box instead, with its slots. The
+# hostfile handed on is then absent (DeepSpeed's own default, /job/hostfile, must not apply).
+is_this_host() {
+  case "$1" in localhost | 127.0.0.1 | ::1) return 0 ;; esac
+  local name
+  for name in "$(hostname 2>/dev/null)" "$(hostname -s 2>/dev/null)" \
+              "$(timeout 5 hostname -f 2>/dev/null)"; do
+    [ -z "$name" ] || [ "$1" != "$name" ] || return 0
+  done
+  return 1
+}
+if [ -n "$hostfile" ] && [ "$no_ssh" = 0 ] && [ "${#active[@]}" -eq 1 ] &&
+   is_this_host "${active[0]}"; then
+  ppn="${ppn:-${slots[0]}}"
+  make_jobdir
+  hostfile="$jobdir/no-hostfile"
+fi
 # DeepSpeed's rule: more than one host and ssh allowed = a multi-node launch from here
 multi=0
 [ "$no_ssh" = 1 ] || [ "${#active[@]}" -le 1 ] || multi=1

@@ -38,7 +38,7 @@ from app.runtime.engine import engine_facts, initialize, versions
 from app.settle import Plan, plan_run
 from app.telemetry import figures as telemetry
 from app.telemetry.flops import ModelShape, flops_per_token, head_fraction
-from app.telemetry.sinks import MetricsLogger, WandbSettings, wandb_mode
+from app.telemetry.sinks import MetricsLogger, wandb_settings
 from app.trainer import EvalSet, Guards, Schedule, Trainer
 from data_tools import output
 from data_tools.errors import UserError
@@ -246,10 +246,8 @@ def _trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state: Tra
     schedule and guards (`stops`: the agreed stop, made once the group exists)."""
     cfg = plan.cfg
     train_spec, train_batches, eval_sets = _loaders(plan, engine, world, data_dirs)
-    wandb = WandbSettings(mode=wandb_mode(cfg.wandb), project=cfg.wandb_project,
-                          name=cfg.run_name or cfg.out.resolve().name, group=cfg.wandb_group,
-                          tags=tuple(cfg.wandb_tags))
-    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb=wandb, run_config=run_config,
+    logger = MetricsLogger(cfg.out, enabled=world.is_main, wandb=wandb_settings(cfg),
+                           run_config=run_config,
                            resumed_step=state.step if plan.resume else None)
     schedule = Schedule(total_steps=plan.total_steps,
                         stop_step=min(cfg.stop_at_step or plan.total_steps, plan.total_steps),

@@ -22,6 +22,7 @@ from app.runtime.dist import World
 from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, validate_ds_config,
                                    zero_config_path, zero_stage)
 from app.schedule import schedule_fn
+from app.telemetry.sinks import check_wandb, wandb_settings
 from data_tools.errors import UserError
 from data_tools.manifest import MANIFEST, TOKENIZER_DIR, tokenizer_fingerprint
 from data_tools.schema import read_regular
@@ -61,6 +62,8 @@ class Plan:
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     """Settle and check the run (prints the start-up data lines on the main rank)."""
+    if world.is_main:  # only rank 0 logs to wandb: refused here, before the run dir exists
+        check_wandb(wandb_settings(cfg))
     sources = read_sources(cfg.data)
     for source in sources.items:
         check_tokenizer_copy(source.path, source.manifest)

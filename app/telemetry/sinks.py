@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
 import re
 import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from tqdm import tqdm
 
 from app import rundir
+from data_tools.errors import UserError
 from data_tools.output import to_json, write_text_atomic
+
+if TYPE_CHECKING:
+    from app.config import TrainConfig
 
 CONSOLE_KEYS = (("train/loss", "loss {:.4f}"), ("eval/loss", "eval_loss {:.4f}"),
                 ("eval/accuracy", "eval_acc {:.3f}"), ("eval/perplexity", "ppl {:.2f}"),
@@ -64,6 +69,55 @@ class WandbSettings:
     name: str
     group: str | None = None
     tags: tuple[str, ...] = ()
+
+
+def wandb_settings(cfg: TrainConfig) -> WandbSettings:
+    """The run's wandb settings from its config: one place for settle's check and build's run."""
+    return WandbSettings(mode=wandb_mode(cfg.wandb), project=cfg.wandb_project,
+                         name=cfg.run_name or cfg.out.resolve().name, group=cfg.wandb_group,
+                         tags=tuple(cfg.wandb_tags))
+
+
+PROJECT_FORBIDDEN = "/\\#?%:"
+"""Characters wandb refuses in a project name (wandb.Settings.validate_project)."""
+
+
+def check_wandb(settings: WandbSettings, env: Mapping[str, str] = os.environ) -> None:
+    """What wandb.init would refuse with a traceback after the run directory exists: a project
+    name or tag it rejects, or an online run with no API key. Nothing here touches the network."""
+    if settings.mode == "disabled":
+        return
+    bad = sorted(set(PROJECT_FORBIDDEN) & set(settings.project))
+    if bad or not settings.project or len(settings.project) > 128:
+        raise UserError(f"--wandb-project {settings.project!r}: wandb takes 1 to 128 characters, "
+                        f"none of {' '.join(PROJECT_FORBIDDEN)}")
+    for tag in settings.tags:
+        if not 1 <= len(tag) <= 64:
+            raise UserError(f"--wandb-tags {tag[:70]!r}: wandb takes tags of 1 to 64 characters")
+    if settings.mode == "online" and not _has_wandb_key(env):
+        raise UserError("--wandb online: no wandb API key (set WANDB_API_KEY or run `wandb login`)"
+                        "; or use --wandb offline and `wandb sync` the run later")
+
+
+def _has_wandb_key(env: Mapping[str, str]) -> bool:
+    """An API key where wandb looks for one: WANDB_API_KEY (or an identity token file), else the
+    .netrc entry for its host (WANDB_BASE_URL), which `wandb login` writes."""
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    base = env.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    host = re.sub(r"^[a-z]+://", "", base).split("/")[0]
+    if env.get("NETRC"):
+        paths = [Path(env["NETRC"]).expanduser()]
+    else:
+        home = Path(env.get("HOME") or Path.home())
+        paths = [p for p in (home / ".netrc", home / "_netrc") if p.exists()][:1]
+    for path in paths:
+        try:
+            creds = netrc.netrc(str(path)).authenticators(host)
+        except (OSError, netrc.NetrcParseError):
+            return False  # wandb warns and goes on without a key
+        return bool(creds and creds[2])
+    return False
 
 
 class MetricsLogger:

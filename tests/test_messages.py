@@ -1,8 +1,12 @@
 """Each message says what happened (issue 24, "Words that say what happened")."""
 import os
+import re
 from types import SimpleNamespace
 
-from data_tools import errors
+import pytest
+
+from data_tools import errors, output, stage
+from data_tools.errors import UserError
 
 
 def _statvfs(favail):
@@ -26,3 +30,15 @@ def test_disk_full_with_inodes_says_disk_space(tmp_path, monkeypatch):
     monkeypatch.setattr(errors.os, "statvfs", _statvfs(100))
     msg = errors.disk_full_message(tmp_path / "x.bin", needed=10 << 20)
     assert msg.startswith(f"out of disk space writing {tmp_path / 'x.bin'}")
+
+
+def test_a_dangling_symlink_out_is_named_as_one(tmp_path):
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "gone")
+    want = f"is a symlink to {tmp_path / 'gone'}, which does not exist"
+    with pytest.raises(UserError, match=re.escape(f"--out {link}: {want}")):
+        output.claim(link, "dataset", "prepare", overwrite=False)
+    with pytest.raises(UserError, match=re.escape(want)):
+        output.make_dirs(link)
+    with pytest.raises(UserError, match=re.escape(f"--dst {link}: {want}")):
+        stage._prepare_dst(link)

@@ -42,3 +42,16 @@ def test_a_dangling_symlink_out_is_named_as_one(tmp_path):
         output.make_dirs(link)
     with pytest.raises(UserError, match=re.escape(f"--dst {link}: {want}")):
         stage._prepare_dst(link)
+
+
+def test_a_second_sweep_is_refused_in_one_line(tmp_path, capsys):
+    from app.sweep import command
+    p = errors.Parser(prog="app bench")
+    command.add_arguments(p)
+    base = ["--data", str(tmp_path), "--out", str(tmp_path / "o")]
+    assert p.parse_args(base + ["--sweep", "world=1,2", "zero=0"]).sweep == ["world=1,2", "zero=0"]
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(base + ["--sweep", "world=1,2", "--sweep", "zero=0,3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "app bench: error: --sweep given twice: put every key in one --sweep\n"

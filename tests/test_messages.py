@@ -55,3 +55,23 @@ def test_a_second_sweep_is_refused_in_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err == "app bench: error: --sweep given twice: put every key in one --sweep\n"
+
+
+def test_export_says_which_step_and_that_the_run_went_further(tmp_path):
+    from app import export
+    run = tmp_path / "run"
+    (run / "checkpoints" / "global_step5").mkdir(parents=True)
+    assert export.step_note(run, "global_step5") == "exporting global_step5 (step 5)"
+    (run / "metrics.jsonl").write_text(
+        "".join(f'{{"step": {s}, "tokens_seen": {s * 64}}}\n' for s in (4, 8, 12)))
+    assert export.step_note(run, "global_step5") == (
+        "exporting global_step5 (step 5); the run reached step 12: the steps after 5 are not in "
+        "this export (no checkpoint holds them)")
+    (run / "checkpoints" / "global_step10").mkdir()
+    (run / "summary.json").write_text('{"steps": 10, "tokens_seen": 640}')
+    assert export.step_note(run, "global_step10").endswith(
+        "the run reached step 12: the steps after 10 are not in this export "
+        "(no checkpoint holds them)")
+    assert "(no checkpoint" not in export.step_note(run, "global_step5")
+    (run / "metrics.jsonl").unlink()
+    assert export.step_note(run, "global_step10") == "exporting global_step10 (step 10)"

@@ -75,3 +75,19 @@ def test_export_says_which_step_and_that_the_run_went_further(tmp_path):
     assert "(no checkpoint" not in export.step_note(run, "global_step5")
     (run / "metrics.jsonl").unlink()
     assert export.step_note(run, "global_step10") == "exporting global_step10 (step 10)"
+
+
+def test_resume_past_max_steps_is_refused(tmp_path, monkeypatch):
+    from app import settle
+    monkeypatch.setattr(settle.checkpoint, "read_state", lambda d, tag: {"step": 12})
+    resume = (tmp_path / "checkpoints", "global_step12")
+    where = tmp_path / "checkpoints" / "global_step12"
+    cfg = SimpleNamespace(max_steps=5, max_tokens=None)
+    with pytest.raises(UserError, match=re.escape(
+            f"{where}: the checkpoint is at step 12, past --max-steps 5")):
+        settle.check_steps_left(resume, 5, cfg)
+    with pytest.raises(UserError, match=re.escape(
+            f"{where}: the checkpoint is at step 12, past --max-tokens 640 (10 steps)")):
+        settle.check_steps_left(resume, 10, SimpleNamespace(max_steps=20, max_tokens=640))
+    settle.check_steps_left(resume, 12, SimpleNamespace(max_steps=12, max_tokens=None))
+    settle.check_steps_left(None, 5, cfg)

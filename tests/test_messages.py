@@ -91,3 +91,18 @@ def test_resume_past_max_steps_is_refused(tmp_path, monkeypatch):
         settle.check_steps_left(resume, 10, SimpleNamespace(max_steps=20, max_tokens=640))
     settle.check_steps_left(resume, 12, SimpleNamespace(max_steps=12, max_tokens=None))
     settle.check_steps_left(None, 5, cfg)
+
+
+def test_convert_names_its_own_arguments(tmp_path, capsys):
+    from app.__main__ import main
+    from app.checkpoint import universal
+    rc = main(["convert", str(tmp_path / "nothing"), "--to-zero", "3", "--to-world", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"CKPT {tmp_path / 'nothing'}: no such file" in err and "--resume" not in err
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", str(tmp_path / "empty"), "--to-zero", "3", "--to-world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"CKPT {tmp_path / 'empty'}: no checkpoint there" in err and "--resume" not in err
+    bf16 = universal.Layout(0, 1, "bf16", False)
+    assert "; use --to-zero 1" in universal.convertible_into(bf16, "--to-zero")
+    assert "; use --zero 1" in universal.convertible_into(bf16)

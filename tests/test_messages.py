@@ -106,3 +106,25 @@ def test_convert_names_its_own_arguments(tmp_path, capsys):
     bf16 = universal.Layout(0, 1, "bf16", False)
     assert "; use --to-zero 1" in universal.convertible_into(bf16, "--to-zero")
     assert "; use --zero 1" in universal.convertible_into(bf16)
+
+
+def test_a_probe_that_timed_out_is_not_out_of_memory(tmp_path):
+    from app.plan.probe import _failure
+    log = tmp_path / "run.log"
+    log.write_text("[node0 rank1] RuntimeError: [Rank 1] Watchdog caught collective operation "
+                   "timeout: WorkNCCL(OpType=ALLREDUCE) ran for 600000 ms before timing out\n")
+    assert _failure(137, log).startswith("timeout: RuntimeError: [Rank 1] Watchdog caught")
+    log.write_text("timeout: sending signal KILL to command 'launch.sh'\n")
+    assert _failure(137, log) == "timeout: timeout: sending signal KILL to command 'launch.sh'"
+    log.write_text("[node0 rank1] rank 1: no progress for 4 s (--hang-timeout 3) while x\n")
+    assert _failure(137, log).startswith("failed: rank 1: no progress for 4 s")
+    # the kernel's OOM killer, and a rank's own OOM, are still out of memory
+    log.write_text("[node0 rank0] step 1\n")
+    assert _failure(137, log) == "out of memory"
+    log.write_text("[node0 rank0] torch.OutOfMemoryError: CUDA out of memory\n"
+                   "[node0 rank1] RuntimeError: Timed out waiting for rank 0\n")
+    assert _failure(1, log) == "out of memory"
+    # a real error on one rank is the cause, not the others' timeouts after it
+    log.write_text("[node0 rank0] ValueError: the real cause\n"
+                   "[node0 rank1] RuntimeError: Timed out waiting for rank 0\n")
+    assert _failure(1, log) == "failed: ValueError: the real cause"

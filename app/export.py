@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{ckpt_dir}: no checkpoint {'tag ' + tag if tag else 'to export'}")
     if not checkpoint.check_files(ckpt_dir / tag):  # verified against its manifest, or said
         print(checkpoint.unverified_note(ckpt_dir / tag), file=sys.stderr)
+    print(step_note(run_dir, tag), file=sys.stderr)
     model_cfg = rebuild_config(run_config, run_dir)
     model = build_model(model_cfg)
     # the tag's own stage: a run that switched stage keeps checkpoints of each
@@ -71,6 +72,29 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported {tag} of {run_dir} -> {out} ({run_config['model']['preset']}, "
           f"{objective})", file=sys.stderr)
     return 0
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The last step the run reached, by summary.json or metrics.jsonl (a run that crashed after
+    a resume has logged past its old summary); None when it has neither."""
+    summary = rundir.read_summary(run_dir)
+    steps = [summary["steps"]] if summary is not None else []
+    if (run_dir / rundir.METRICS).is_file():
+        steps += [r["step"] for r in rundir.read_metrics(run_dir)]
+    return max(steps, default=None)
+
+
+def step_note(run_dir: Path, tag: str) -> str:
+    """Which step is exported, and whether the run went further without a checkpoint: a
+    12-step run whose last save was at step 5 exports step 5's weights, and should say so."""
+    step = checkpoint.step_of(tag)
+    line = f"exporting {tag}" + (f" (step {step})" if step is not None else "")
+    last = last_step(run_dir)
+    if step is not None and last is not None and last > step:
+        line += f"; the run reached step {last}: the steps after {step} are not in this export"
+        if not checkpoint.tags_after(run_dir / rundir.CHECKPOINTS, tag):
+            line += " (no checkpoint holds them)"
+    return line
 
 
 def rebuild_config(run_config: dict[str, Any], run_dir: Path):

@@ -81,6 +81,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
     resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
+    check_steps_left(resume, total_steps, cfg)
     switch = settle_switch(resume, ds, world, gbs)
     if world.is_main:
         print_data(sources, stats, cfg.seq_len, gbs, total_steps)
@@ -210,6 +211,19 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: s
     if not checkpoint.check_files(where) and is_main and not is_universal(where):
         print(checkpoint.unverified_note(where), file=sys.stderr)
     return resume
+
+
+def check_steps_left(resume: tuple[Path, str] | None, total_steps: int, cfg: TrainConfig) -> None:
+    """Refuse a resume whose checkpoint is past the run's last step: training would do nothing
+    and summary.json would be rewritten with 0 tokens/s."""
+    if resume is None:
+        return
+    step = int(checkpoint.read_state(*resume)["step"])
+    if step <= total_steps:
+        return
+    limit = (f"--max-steps {cfg.max_steps}" if total_steps == cfg.max_steps
+             else f"--max-tokens {cfg.max_tokens} ({total_steps} steps)")
+    raise UserError(f"{resume[0] / resume[1]}: the checkpoint is at step {step}, past {limit}")
 
 
 @dataclass(frozen=True)

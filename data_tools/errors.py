@@ -36,11 +36,8 @@ class Stopped(Exception):
 
 def free_bytes(path: str | os.PathLike) -> int | None:
     """Free bytes on the filesystem holding `path` (or its nearest existing parent)."""
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
     try:
-        return shutil.disk_usage(p).free
+        return shutil.disk_usage(_existing(path)).free
     except OSError:
         return None
 
@@ -49,7 +46,32 @@ def mb(n: int | float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _existing(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def out_of_inodes(path: str | os.PathLike) -> str | None:
+    """The mount point holding `path` when its filesystem has no free inodes, else None: ENOSPC
+    with megabytes free means no file entries are left, and "out of disk space" would mislead."""
+    p = _existing(path)
+    try:
+        if os.statvfs(p).f_favail != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    p = p.resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
 def disk_full_message(path: str | os.PathLike, needed: int | None = None) -> str:
+    mount = out_of_inodes(path)
+    if mount is not None:
+        return f"out of inodes (no free file entries) on {mount} writing {path}"
     free = free_bytes(path)
     parts = [f"out of disk space writing {path}"]
     if needed is not None:

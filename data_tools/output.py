@@ -210,8 +210,7 @@ def claim(out: Path, kind: str, command: str, *, overwrite: bool,
     """
     check_apart(out, inputs, flag)
     if not out.exists():
-        if out.is_symlink():
-            raise UserError(f"{flag} {out}: a broken symbolic link")
+        refuse_dangling(out, flag)
         return False
     if not out.is_dir():
         raise UserError(f"{flag} {out}: exists and is not a directory")
@@ -230,8 +229,17 @@ def claim(out: Path, kind: str, command: str, *, overwrite: bool,
     return True
 
 
+def refuse_dangling(path: Path, flag: str = "--out") -> None:
+    """Refuse a symlink whose target is missing: mkdir and open fail on it with an error that
+    reads as a permission problem, which sends the user looking in the wrong place."""
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{flag} {path}: is a symlink to {os.readlink(path)}, "
+                        f"which does not exist")
+
+
 def make_dirs(path: Path, flag: str = "--out") -> None:
     """mkdir -p with the umask, one line on failure."""
+    refuse_dangling(path, flag)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:

@@ -410,6 +410,7 @@ def _run_pool(copier: _Copier, specs: list[FileSpec], workers: int) -> None:
 # ----------------------------------------------------------------------------- the stage
 
 def _prepare_dst(dst: Path) -> None:
+    output.refuse_dangling(dst, "--dst")
     if dst.exists() and not dst.is_dir():
         raise UserError(f"{dst}: destination exists and is not a directory")
     try:

@@ -40,10 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.to_world < 1:
         raise UserError(f"--to-world {args.to_world}: must be at least 1")
-    found = checkpoint.find_resume(str(args.ckpt), args.ckpt)
-    if found is None:
-        raise UserError(f"{args.ckpt}: no checkpoint there")
-    ckpt_dir, tag = found
+    ckpt_dir, tag = checkpoint.find_at(args.ckpt, "CKPT")
     source = ckpt_dir / tag
     if universal.is_universal(source):
         raise UserError(f"{source}: already a converted checkpoint; resume from it directly "
@@ -54,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     saved = universal.saved_layout(state)
     target = universal.Layout(args.to_zero, args.to_world, args.to_precision or saved.precision,
                               saved.offload if args.to_zero > 0 else False)
-    why_not = universal.convertible_into(target)
+    why_not = universal.convertible_into(target, "--to-zero")
     if why_not:
         raise UserError(f"--to-zero {args.to_zero}: {why_not}")
     gbs = int(state["global_batch"])

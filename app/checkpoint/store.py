@@ -150,9 +150,14 @@ def find_resume(resume: str, run_dir: Path,
         ckpt_dir = run_dir / CHECKPOINTS
         tag = choose_auto(ckpt_dir, notes if notes is not None else [])
         return (ckpt_dir, tag) if tag else None
-    path = Path(resume)
+    return find_at(Path(resume), "--resume")
+
+
+def find_at(path: Path, flag: str) -> tuple[Path, str]:
+    """(checkpoint dir, tag) in a run directory, its checkpoints/ directory or one tag
+    directory; a UserError naming `flag` (the argument that gave `path`) when there is none."""
     if not path.exists():
-        raise UserError(f"--resume {path}: no such file or directory")
+        raise UserError(f"{flag} {path}: no such file or directory")
     for ckpt_dir in (path / CHECKPOINTS, path):
         tag = latest_tag(ckpt_dir)
         if tag:
@@ -161,9 +166,9 @@ def find_resume(resume: str, run_dir: Path,
         return path.parent, path.name
     tags = [t for d in (path / CHECKPOINTS, path) for t in all_tags(d)]
     if tags:
-        raise UserError(f"--resume {path}: no '{LATEST}' naming a checkpoint there; its tags: "
+        raise UserError(f"{flag} {path}: no '{LATEST}' naming a checkpoint there; its tags: "
                         f"{', '.join(tags)}: pass one tag directory")
-    raise UserError(f"--resume {path}: no checkpoint there (no '{LATEST}' file, no {STATE})")
+    raise UserError(f"{flag} {path}: no checkpoint there (no '{LATEST}' file, no {STATE})")
 
 
 def read_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:

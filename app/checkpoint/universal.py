@@ -67,13 +67,13 @@ class Layout:
                 and (self.zero_stage == 0 or self.world_size == other.world_size))
 
 
-def convertible_into(layout: Layout) -> str | None:
+def convertible_into(layout: Layout, flag: str = "--zero") -> str | None:
     """Why a checkpoint cannot be converted into `layout` (None: it can). ZeRO-0 in bf16/fp16
     keeps its fp32 masters in DeepSpeed's FP16_Optimizer flat groups, which the fragment API
     does not reach."""
     if layout.zero_stage == 0 and layout.precision != "fp32":
-        return (f"converting into ZeRO-0 with {layout.precision} is not supported; resume with "
-                f"--zero 1 (the same communication volume, the fp32 masters sharded)")
+        return (f"converting into ZeRO-0 with {layout.precision} is not supported; use "
+                f"{flag} 1 (the same communication volume, the fp32 masters sharded)")
     return None
 
 

@@ -38,7 +38,8 @@ class ProbeResult:
     ok: bool
     """Ran its steps within the memory budget."""
     reason: str
-    """"ok", "over budget", "out of memory", "timeout" or "failed: <the error line>"."""
+    """"ok", "over budget", "out of memory", "timeout" (or "timeout: <the line>") or "failed: <the
+    error line>"."""
     peak_bytes: int | None
     """Peak memory of the worst rank: its VmHWM on CPU, the run's `sys/max_mem_gb` otherwise."""
     step_time_ms: float | None
@@ -129,20 +130,31 @@ def last_train_record(path: Path) -> dict | None:
 CAUSES = (re.compile(r"python -m app \w+: error: "), re.compile(r"launch\.sh: error: "),
           re.compile(r"rank \d+: no progress for "),
           re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt)\b: "))
+# A wait that gave up (a collective, the rendezvous store, a launcher's `timeout`): the run timed
+# out, whatever signal ended it afterwards.
+TIMED_OUT = re.compile(r"\btimed out\b|collective operation timeout|DistStoreError|"
+                       r"\btimeout: sending signal\b", re.IGNORECASE)
 RANK_TAG = re.compile(r"^\[node[0-9?]+ rank[0-9?]+\] ")
 
 
 def _failure(returncode: int, log_path: Path) -> str:
-    """Classify a failed probe from its exit status and log: "out of memory", or "failed: " and
-    the line that names the cause (without launch.sh's rank tag)."""
+    """Classify a failed probe from its exit status and log: "out of memory", "timeout: " and
+    the line that says what timed out, or "failed: " and the line that names the cause (without
+    launch.sh's rank tag). A hung rank stays "failed:" with the watchdog's line."""
     text = log_path.read_text(errors="replace")
-    if any(m in text.lower() for m in OOM_MARKERS) or returncode in (-signal.SIGKILL, 137):
-        return "out of memory"  # SIGKILL that we did not send: the kernel's OOM killer
+    if any(m in text.lower() for m in OOM_MARKERS):
+        return "out of memory"
     lines = [RANK_TAG.sub("", ln.strip()) for ln in text.splitlines() if ln.strip()]
-    for cause in CAUSES:
-        found = [ln for ln in lines if cause.search(ln)]
-        if found:
-            return f"failed: {found[0]}"
+    cause = next((found[0] for c in CAUSES if (found := [ln for ln in lines if c.search(ln)])),
+                 None)
+    timed_out = [ln for ln in lines if TIMED_OUT.search(ln)]
+    if timed_out and (cause is None or TIMED_OUT.search(cause)):
+        return f"timeout: {cause or timed_out[0]}"  # a SIGKILL after it is not the kernel's
+    hung = cause is not None and CAUSES[2].search(cause)
+    if returncode in (-signal.SIGKILL, 137) and not hung:
+        return "out of memory"  # SIGKILL that we did not send: the kernel's OOM killer
+    if cause is not None:
+        return f"failed: {cause}"
     errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith("[20")]
     return f"failed: {(errors or lines or ['exit status %d' % returncode])[-1]}"
 

@@ -59,12 +59,24 @@ OWN_FLAGS = {"--data", "--out", "--model", "--zero", "--ds-config", "--micro-bat
              "--wandb", "--global-batch", "--stage-to", "--local_rank", "--local-rank"}
 
 
+class _Once(argparse.Action):
+    """Store a list flag that may be given once: argparse's default keeps only the last of two
+    `--sweep`s, so the first one's keys would vanish without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = f"_{self.dest}_given"
+        if getattr(namespace, seen, False):
+            parser.error(f"{option_string} given twice: put every key in one {option_string}")
+        setattr(namespace, seen, True)
+        setattr(namespace, self.dest, values)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=Path, required=True, metavar="DIR",
                    help="dataset directory (made by data_tools prepare)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR",
                    help="where results.csv, results.md, the plots and the runs go")
-    p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
+    p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2", action=_Once,
                    help=f"the values to sweep; keys: {', '.join(sweep.KEYS)} (defaults: world=1 "
                         f"zero=0 model=bert-tiny micro_batch=32, seq_len as app train; threads "
                         f"and workers per rank: what the most ranks per node leave each rank)")

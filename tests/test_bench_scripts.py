@@ -77,6 +77,11 @@ def test_bench_stage_measures_a_tiny_dataset(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # its source and copies removed
 
 
+def test_bench_manifest_times_a_tiny_tag(tmp_path):
+    out = ok(bench("bench_manifest.py", "--params", "1e5", "--repeats", "1", "--dir", tmp_path))
+    assert "of the save" in out and "of the load" in out and not list(tmp_path.iterdir())
+
+
 def test_bench_loader_measures_a_prepared_dataset(mlm_dataset):
     out = ok(bench("bench_loader.py", "--data", mlm_dataset, "--seq-len", "64",
                    "--micro-batch", "2", "--batches", "3", "--step-ms", "100", "--reps", "1",

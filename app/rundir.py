@@ -127,13 +127,15 @@ def is_run_dir(path: Path) -> bool:
     return output.marked_as(path) == KIND or _made_before_markers(path)
 
 
-def check_out(out: Path, data: list[Path]) -> None:
+def check_out(out: Path, data: list[Path], is_main: bool = True) -> None:
     """`--out` may be new, empty, or a run directory; never a dataset (of a mixture) or inside
-    one."""
+    one. Whether a directory that is there may be used is the main rank's call: it creates the
+    run directory while the other ranks still settle, so they could see it half made (its marker
+    being written) and refuse a run directory that is fine."""
     output.check_apart(out, [("--data", d) for d in data])
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
+    if is_main and out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
         raise UserError(f"--out {out}: not empty and not a run directory of `{COMMAND}`; "
                         f"choose an empty or new directory (nothing was changed)")
 

@@ -197,7 +197,7 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: s
     """The checkpoint to resume from, checked against this run (or None); its files are
     verified against its manifest (each rank reads them: the same decision everywhere)."""
     notes: list[str] = []
-    resume = check_run_dir(cfg, sources, notes)
+    resume = check_run_dir(cfg, sources, notes, is_main)
     for note in notes if is_main else ():
         print(note, file=sys.stderr)
     if resume is None:
@@ -350,12 +350,12 @@ def batch_geometry(cfg: TrainConfig, world_size: int) -> tuple[int, int, int]:
     return micro, accum, micro * accum * world_size
 
 
-def check_run_dir(cfg: TrainConfig, sources: Sources,
-                  notes: list[str] | None = None) -> tuple[Path, str] | None:
+def check_run_dir(cfg: TrainConfig, sources: Sources, notes: list[str] | None = None,
+                  is_main: bool = True) -> tuple[Path, str] | None:
     """The checkpoint to resume from (or None), refusing to clobber a previous run silently:
     a run directory with checkpoints (even with `latest` gone) is never started over without
     --overwrite, nor continued from another run's checkpoint."""
-    rundir.check_out(cfg.out, sources.paths)
+    rundir.check_out(cfg.out, sources.paths, is_main)
     ckpt_dir = cfg.out / rundir.CHECKPOINTS
     resume = checkpoint.find_resume(cfg.resume, cfg.out, notes)
     previous = [n for n in (rundir.CHECKPOINTS, rundir.METRICS, rundir.SUMMARY)

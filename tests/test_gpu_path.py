@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from app.runtime.device import Device, attention_implementation, set_cpu_threads
 from app.model import build_config, build_model, optimizer_groups
 from app.trainer import token_sums
-from tests.helpers import REPO, TINY, check, clean_env, run_app
+from tests.helpers import REPO, TINY, check, clean_env, remanifest, run_app
 
 # Every test that trains is marked slow; the bf16 fixture's three runs are the first to need
 # DeepSpeed's fused Adam, which a fresh machine builds (minutes) inside that fixture.
@@ -106,6 +106,7 @@ def test_the_export_check_still_catches_a_wrong_weight(bf16_runs, tmp_path):
         flat = saved["optimizer"]["fp32_groups_flat"][0]
         flat.copy_(flat.roll(128))
     torch.save(saved, path)
+    remanifest(path.parent)  # the bug is the save's: its manifest hashes the wrong masters
     proc = run_app("export", run, "--out", tmp_path / "hf")
     assert proc.returncode == 2 and "differ from the run's" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "hf").exists()

@@ -26,7 +26,7 @@ import pytest
 
 from app.__main__ import main as app_main
 from data_tools.__main__ import main as data_tools_main
-from tests.helpers import (NO_CAPS, REPO, TINY, check, clean_env, error_lines, run_app,
+from tests.helpers import (NO_CAPS, REPO, TINY, check, clean_env, error_lines, remanifest, run_app,
                            snapshot, tmpfs)
 
 pytestmark = pytest.mark.slow
@@ -301,9 +301,13 @@ def test_a_binary_last_line_is_a_torn_write(world, tmp_path, capsys):
 @pytest.mark.parametrize("victim", ["mp_rank_00_model_states.pt", "rng_rank0.pt"])
 def test_a_truncated_checkpoint_file_is_named(world, tmp_path, victim, capsys):
     run = copy_of(world["run"], tmp_path)
-    path = run / "checkpoints" / "global_step4" / victim
+    tag = run / "checkpoints" / "global_step4"
+    path = tag / victim
     os.truncate(path, path.stat().st_size // 2)
-    assert main(["train", "--data", world["data"], "--out", run, *TINY, "--max-steps", "6"]) == 2
+    (tag / "manifest.json").unlink()  # a tag made before manifests: the structure check names it
+    # (with its manifest the file is named by test_checkpoint_safety; auto resumes global_step2)
+    assert main(["train", "--data", world["data"], "--out", run, *TINY, "--max-steps", "6",
+                 "--resume", tag]) == 2
     one_line(capsys, str(path), "corrupt or truncated")
     if victim.startswith("mp_rank"):
         assert main(["export", run, "--out", tmp_path / "hf"]) == 2
@@ -313,9 +317,11 @@ def test_a_truncated_checkpoint_file_is_named(world, tmp_path, victim, capsys):
 
 def test_a_bad_train_state_is_named(world, tmp_path, capsys):
     run = copy_of(world["run"], tmp_path)
-    _edit_json(run / "checkpoints" / "global_step4" / "train_state.json",
-               lambda s: s.update(consumed_samples=-8))
-    assert main(["train", "--data", world["data"], "--out", run, *TINY, "--max-steps", "6"]) == 2
+    tag = run / "checkpoints" / "global_step4"
+    _edit_json(tag / "train_state.json", lambda s: s.update(consumed_samples=-8))
+    remanifest(tag)  # the schema check behind the manifest (auto would resume global_step2)
+    assert main(["train", "--data", world["data"], "--out", run, *TINY, "--max-steps", "6",
+                 "--resume", tag]) == 2
     one_line(capsys, "train_state.json", "key 'consumed_samples'")
 
 

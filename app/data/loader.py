@@ -377,12 +377,28 @@ class MicroBatches:
         return (self.layout.unpack(p) for p in packed)
 
 
+# How long a loader worker goes on serving after a SIGTERM: long enough for its rank to reach the
+# step boundary where the ranks agree to stop (the save needs no data), short enough that a worker
+# the loader itself terminates (a stuck one, at shutdown: torch sends SIGTERM) never hangs the
+# rank's exit, which joins its workers.
+WORKER_TERM_GRACE_S = 30
+
+
 def ignore_stop_signals(worker_id: int) -> None:
     """A loader worker's first act: a scheduler signals every process of the job, and a worker
     that died of it would fail its rank's next batch before the rank could save. The rank alone
-    answers the signal (app.faults.preemption) and shuts its workers down."""
-    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    answers the signal (app.faults.preemption): SIGUSR1 and SIGINT are ignored here, and a
+    SIGTERM ends the worker only WORKER_TERM_GRACE_S later (an alarm with its default action)."""
+    for s in (signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _term_later)
+
+
+def _term_later(signum, frame) -> None:
+    left = signal.alarm(WORKER_TERM_GRACE_S)
+    if left:  # an earlier SIGTERM's alarm stands: a second one does not move the end
+        signal.alarm(left)
 
 
 def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_workers: int,

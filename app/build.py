@@ -70,6 +70,7 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     threads = set_cpu_threads()
     adopt_launcher_env()  # ranks from MPI/Slurm launchers, once, before anything reads them
     plan = plan_run(cfg, device, world_from_env())
+    faults.slow_start()  # a test switch (app/faults/injection.py)
     preemption.stop_before_loop("before the run started")  # nothing written yet
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         prepare_run_dir(cfg, plan.resume)

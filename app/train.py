@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         preemption.record_exit(code)
-        preemption.release()
+        if code != preemption.EXIT_PREEMPTED:  # a stopping rank keeps its handlers to the end:
+            preemption.release()  # the launcher's own SIGTERM must not cut the line saying why
     return code
 
 

@@ -21,12 +21,12 @@ EXIT_PREEMPTED = 75
 pytestmark = pytest.mark.multirank
 
 
-def start_job(data: Path, out: Path, max_steps: int) -> subprocess.Popen:
+def start_job(data: Path, out: Path, max_steps: int, **env: str) -> subprocess.Popen:
     """launch.sh with 2 ranks and a loader worker each, in a session of its own (setsid)."""
     args = ["--data", data, "--out", out, *TINY, "--num-workers", "1", "--model", "bert-tiny",
             "--max-steps", max_steps, "--save-every", 1000, "--log-every", 1]
     return subprocess.Popen(["bash", str(LAUNCH), "--procs-per-node", "2", "--",
-                             *map(str, args)], cwd=REPO, env=clean_env(),
+                             *map(str, args)], cwd=REPO, env={**clean_env(), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -90,7 +90,8 @@ def test_a_signal_to_every_process_of_the_job_saves_and_exits_75(mlm_dataset, tm
 
 def test_a_signal_during_start_up_stops_cleanly_with_75(mlm_dataset, tmp_path):
     out = tmp_path / "run"
-    job = start_job(mlm_dataset, out, max_steps=40)
+    # start-up held 15 s once planned: the signal lands before the loop however fast the box
+    job = start_job(mlm_dataset, out, max_steps=40, DSPRETRAIN_TEST_SLOW_START="15")
     log: list[str] = []
 
     def planned() -> bool:  # the plan is printed before the run directory and the group

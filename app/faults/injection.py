@@ -88,3 +88,12 @@ def die_in_save(step: int, env: Mapping[str, str] = os.environ) -> None:
     step's save, after DeepSpeed wrote its files and before `latest` moved."""
     if env.get("DSPRETRAIN_TEST_DIE_IN_SAVE") == str(step):
         os._exit(137)
+
+
+def slow_start(env: Mapping[str, str] = os.environ) -> None:
+    """DSPRETRAIN_TEST_SLOW_START=SECONDS: start-up waits that long once the run is planned, so
+    a test's signal surely lands before the loop (a stop signal only sets a flag: the wait goes
+    on)."""
+    seconds = env.get("DSPRETRAIN_TEST_SLOW_START")
+    if seconds:
+        time.sleep(float(seconds))

@@ -28,6 +28,7 @@ import os
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -300,10 +301,13 @@ def node_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str
     return env
 
 
-def start(ns: str, cores: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """`cmd` in namespace `ns`, pinned to `cores`, in a session of its own (stopped as one)."""
+def start(ns: str, cores: str, cmd: list[str], env: dict[str, str], log=None
+          ) -> subprocess.Popen:
+    """`cmd` in namespace `ns`, pinned to `cores`, in a session of its own (stopped as one);
+    its output to `log` (an open file) or this process's."""
     return subprocess.Popen(["ip", "netns", "exec", ns, "taskset", "-c", cores, *cmd],
-                            env=env, cwd=REPO, start_new_session=True)
+                            env=env, cwd=REPO, start_new_session=True, stdout=log,
+                            stderr=subprocess.STDOUT if log else None)
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float | None) -> int:
@@ -353,15 +357,18 @@ def _signal_session(pid: int, sig: int) -> None:
 
 
 def run_nodes(cluster: Cluster, commands: list[list[str]], envs: list[dict[str, str]],
-              cores_per_node: int, timeout: float | None) -> int:
+              cores_per_node: int, timeout: float | None, log: Path | None = None) -> int:
     """Start one command a node, wait for all; stop them on any exit path."""
     procs: list[subprocess.Popen] = []
+    sink = open(log, "ab") if log else None
     try:
         for k, (ns, cmd, env) in enumerate(zip(cluster.nodes, commands, envs)):
-            procs.append(start(ns, node_cores(k, cores_per_node), cmd, env))
+            procs.append(start(ns, node_cores(k, cores_per_node), cmd, env, sink))
         return wait_all(procs, timeout)
     finally:
         stop_all(procs)
+        if sink:
+            sink.close()
 
 
 # -- subcommands ---------------------------------------------------------------------------------
@@ -378,7 +385,7 @@ def launch_commands(cluster: Cluster, ppn: int, train_args: list[str], hostfile:
 
 def run_app(nodes: int, ppn: int, rate: int | None, delay_ms: float, train_args: list[str],
             cores_per_node: int, threads: int | None, timeout: float | None,
-            show_qdiscs: bool = False) -> int:
+            show_qdiscs: bool = False, log: Path | None = None) -> int:
     """`app train` over launch.sh --no-ssh on a fresh cluster; launch.sh's exit status."""
     threads = threads or max(1, cores_per_node // ppn)
     with stop_signals(), Cluster(nodes, rate, delay_ms) as cluster, \
@@ -389,7 +396,7 @@ def run_app(nodes: int, ppn: int, rate: int | None, delay_ms: float, train_args:
             print(cluster.qdiscs(), end="", flush=True)
         commands = launch_commands(cluster, ppn, train_args, Path(tmp) / "hostfile")
         envs = [node_env(threads) for _ in commands]
-        return run_nodes(cluster, commands, envs, cores_per_node, timeout)
+        return run_nodes(cluster, commands, envs, cores_per_node, timeout, log)
 
 
 def ddp_commands(cluster: Cluster, ppn: int, args: list[str]) -> tuple[list, list]:
@@ -404,7 +411,8 @@ def ddp_commands(cluster: Cluster, ppn: int, args: list[str]) -> tuple[list, lis
 
 
 def run_ddp(nodes: int, ppn: int, rate: int | None, delay_ms: float, args: list[str],
-            cores_per_node: int, threads: int | None, timeout: float | None) -> int:
+            cores_per_node: int, threads: int | None, timeout: float | None,
+            log: Path | None = None) -> int:
     threads = threads or max(1, cores_per_node // ppn)
     with stop_signals(), Cluster(nodes, rate, delay_ms) as cluster:
         say(f"DDP reference: {nodes} node(s) x {ppn} rank(s), links {rate_text(rate)} / "
@@ -412,7 +420,311 @@ def run_ddp(nodes: int, ppn: int, rate: int | None, delay_ms: float, args: list[
         commands, envs = ddp_commands(cluster, ppn, args)
         for env in envs:
             env["OMP_NUM_THREADS"] = str(threads)
-        return run_nodes(cluster, commands, envs, cores_per_node, timeout)
+        return run_nodes(cluster, commands, envs, cores_per_node, timeout, log)
+
+
+# -- scale: the app's data parallelism against plain DDP on shaped links ---------------------------
+
+SYSTEMS = ("ddp", "zero0", "zero1", "zero2")
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """The model and batch flags app train and ddp_reference.py share."""
+    flags = ["--model", args.model, "--seq-len", str(args.seq_len), "--micro-batch",
+             str(args.micro_batch)]
+    for item in args.model_arg:
+        flags += ["--model-arg", item]
+    return flags
+
+
+def measure(system: str, nodes: int, rate: int | None, args: argparse.Namespace,
+            out: Path, tag: str) -> dict:
+    """One run, `nodes` x 1 rank, 1 core a node: its tokens/s and step time."""
+    run_dir = out / "runs" / tag
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    if system == "ddp":
+        result_file = run_dir.with_suffix(".json")
+        rc = run_ddp(nodes, 1, rate, args.delay_ms,
+                     ["--data", str(args.data), *model_flags(args), "--steps", str(args.steps),
+                      "--buckets", str(args.buckets), "--out", str(result_file)],
+                     1, 1, args.timeout, log=run_dir.with_suffix(".log"))
+        if rc != 0:
+            return {"error": f"exit {rc} (log: {run_dir.with_suffix('.log')})"}
+        got = json.loads(result_file.read_text())
+        return {"tokens_per_sec": got["tokens_per_sec"], "step_time_ms": got["step_time_ms"]}
+    from app.sweep.results import run_figures
+
+    train = ["--data", str(args.data), "--out", str(run_dir), *model_flags(args), "--zero",
+             system[-1], "--max-steps", str(args.steps), "--log-every",
+             str(max(1, args.steps // 10)), "--eval-samples", "1", "--save-every", "0",
+             "--wandb", "disabled", "--resume", "never", "--num-workers", "0", "--overwrite",
+             *args.train_args]
+    rc = run_app(nodes, 1, rate, args.delay_ms, train, 1, 1, args.timeout,
+                 log=run_dir.with_suffix(".log"))
+    if rc != 0:
+        return {"error": f"exit {rc} (log: {run_dir.with_suffix('.log')})"}
+    figures = run_figures(run_dir, nodes)
+    return {"tokens_per_sec": figures["tokens_per_sec"], "step_time_ms": figures["step_time_ms"]}
+
+
+def allreduce_ms(rate: int | None, args: argparse.Namespace, out: Path) -> float:
+    """One raw all-reduce of the fp32 gradients between 2 nodes at `rate` (median, ms)."""
+    result_file = out / f"allreduce-{rate_text(rate)}.json"
+    rc = run_ddp(2, 1, rate, args.delay_ms,
+                 ["--data", str(args.data), *model_flags(args), "--steps", "8",
+                  "--allreduce-only", "--out", str(result_file)], 1, 1, args.timeout,
+                 log=result_file.with_suffix(".log"))
+    if rc != 0:
+        raise UserError(f"the all-reduce probe at {rate_text(rate)} failed (exit {rc})")
+    return json.loads(result_file.read_text())["allreduce_ms"]
+
+
+def calibrate(args: argparse.Namespace, out: Path) -> tuple[int, dict]:
+    """The rate at which one all-reduce of the fp32 gradients takes one 1-node step: the 1-node
+    step of the DDP reference and the all-reduce at a probe rate, both measured; gloo's
+    all-reduce time between 2 nodes is its bytes over the rate (plus a latency that is small
+    at these sizes), so the rate scales by their ratio."""
+    step = measure("ddp", 1, None, args, out, "calibrate-ddp-1node")
+    if "error" in step:
+        raise UserError(f"calibration: the 1-node DDP run failed ({step['error']})")
+    probe = parse_rate(args.probe_rate)
+    ar = allreduce_ms(probe, args, out)
+    rate = int(probe * ar / step["step_time_ms"])
+    facts = {"step_ms_1node": step["step_time_ms"], "probe_rate": rate_text(probe),
+             "allreduce_ms_at_probe": ar, "rate_comm_equals_compute": rate_text(rate)}
+    say(f"calibration: 1-node step {step['step_time_ms']:.0f} ms, all-reduce "
+        f"{ar:.0f} ms at {rate_text(probe)} -> comm = compute at {rate_text(rate)}")
+    return rate, facts
+
+
+def scale_rates(args: argparse.Namespace, out: Path) -> tuple[list[int | None], dict]:
+    if args.rates:
+        return [parse_rate(r) for r in args.rates.split(",")], {}
+    base, facts = calibrate(args, out)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    # comm / compute = r  ->  rate = base / r (rounded to whole Mbit/s)
+    return [max(10**6, round(base / r / 1e6) * 10**6) for r in ratios], facts
+
+
+def one_repeat(rep: int, rates: list[int | None], args: argparse.Namespace, out: Path,
+               runs: list[dict]) -> None:
+    """Each system's 1-node run, then its 2-node runs at every rate, back to back (compared
+    runs close in time); the systems' order reversed on every other repeat."""
+    systems = args.systems if rep % 2 == 0 else args.systems[::-1]
+    for system in systems:
+        for nodes, rate in [(1, None), *[(2, r) for r in rates]]:
+            tag = f"r{rep}-{system}-{nodes}node-{rate_text(rate) if nodes > 1 else 'local'}"
+            say(f"repeat {rep + 1}/{args.repeats}: {system}, {nodes} node(s)"
+                f"{', ' + rate_text(rate) if nodes > 1 else ''}")
+            got = measure(system, nodes, rate, args, out, tag)
+            runs.append({"repeat": rep, "system": system, "nodes": nodes,
+                         "rate": rate_text(rate) if nodes > 1 else None, **got})
+            write_json(out / "scale.json", {"runs": runs})
+
+
+def efficiencies(runs: list[dict], systems: list[str], rates: list[int | None]) -> dict:
+    """{system: {rate: [efficiency of each repeat]}}: 2-node tokens/s / (2 x the same repeat's
+    1-node tokens/s)."""
+    one = {(r["repeat"], r["system"]): r.get("tokens_per_sec") for r in runs if r["nodes"] == 1}
+    out: dict = {s: {rate_text(x): [] for x in rates} for s in systems}
+    for r in runs:
+        base = one.get((r["repeat"], r["system"]))
+        if r["nodes"] == 2 and base and r.get("tokens_per_sec"):
+            out[r["system"]][r["rate"]].append(r["tokens_per_sec"] / (2 * base))
+    return out
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def plan_scaling(args: argparse.Namespace, compute_ms: float, rate: int | None
+                 ) -> dict[str, float] | None:
+    """The planner's predicted 2-node efficiency per ZeRO stage at `rate` (`app plan
+    --compute-ms M --net-gbps G --nodes 2 --json`), or None when this app's plan has no network
+    model (the flag is unknown) or says nothing usable."""
+    cmd = [sys.executable, "-m", "app", "plan", *model_flags(args), "--gpus", "2",
+           "--gpus-per-node", "1", "--nodes", "2", "--compute-ms", f"{compute_ms:.1f}",
+           "--net-gbps", f"{(rate or 100e9) / 1e9:g}", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=node_env(1))
+    if proc.returncode != 0:
+        return None
+    try:
+        plan = json.loads(proc.stdout)
+    except ValueError:
+        return None
+    return stage_efficiency(plan)
+
+
+def stage_efficiency(plan) -> dict[str, float]:
+    """{"zero0": efficiency at 2 nodes, ...} from wherever the plan's JSON puts per-stage
+    `scaling` lists (a dict keyed by stage, or entries carrying `zero`/`stage`)."""
+    found: dict[str, float] = {}
+
+    def walk(node, stage):
+        if isinstance(node, dict):
+            stage = next((node[k] for k in ("zero", "stage", "zero_stage") if k in node), stage)
+            for key, value in node.items():
+                sub = key[-1] if re.fullmatch(r"(zero|stage)[-_ ]?[0-3]", str(key)) else stage
+                if key == "scaling" and isinstance(value, list) and stage is not None:
+                    for row in value:
+                        if isinstance(row, dict) and row.get("nodes") == 2:
+                            found[f"zero{stage}"] = float(row["efficiency"])
+                else:
+                    walk(value, sub)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, stage)
+    walk(plan, None)
+    return found
+
+
+def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]) -> dict:
+    """{rate: {stage: predicted efficiency}} with the measured 1-node ZeRO-0 step as compute;
+    empty (and a note) when the planner has no network model."""
+    if not args.plan:
+        return {}
+    help_text = subprocess.run([sys.executable, "-m", "app", "plan", "--help"],
+                               capture_output=True, text=True, cwd=REPO, env=node_env(1)).stdout
+    if "--compute-ms" not in help_text or "--net-gbps" not in help_text:
+        say("--plan: this app's `app plan` has no --compute-ms/--net-gbps; no planned curve")
+        return {}
+    ones = [r["step_time_ms"] for r in runs
+            if r["nodes"] == 1 and r["system"] == "zero0" and r.get("step_time_ms")]
+    if not ones:
+        return {}
+    compute = statistics.median(ones)
+    return {rate_text(r): plan_scaling(args, compute, r) or {} for r in rates}
+
+
+def table(eff: dict, plan: dict, rates: list[int | None], comm: dict) -> str:
+    """Markdown: one row a rate, the median efficiency (and each repeat's) per system."""
+    systems = list(eff)
+    head = ["rate", "all-reduce / 1-node step", *[LABEL.get(s, s) for s in systems]]
+    if plan:
+        head += [f"plan {LABEL[s]}" for s in ("zero0", "zero1", "zero2")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rate in map(rate_text, rates):
+        cells = [rate, f"{comm[rate]:.2f}" if rate in comm else "-"]
+        for s in systems:
+            v = eff[s][rate]
+            cells.append(f"{statistics.median(v):.2f} ({', '.join(f'{x:.2f}' for x in v)})"
+                         if v else "failed")
+        if plan:
+            cells += [f"{plan[rate][s]:.2f}" if s in plan.get(rate, {}) else "-"
+                      for s in ("zero0", "zero1", "zero2")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+LABEL = {"ddp": "DDP", "zero0": "app ZeRO-0", "zero1": "app ZeRO-1", "zero2": "app ZeRO-2"}
+
+
+def plot(path: Path, eff: dict, plan: dict, rates: list[int | None]) -> None:
+    """Efficiency against the link rate: measured (median, repeats as points), planned dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [(r or 100e9) / 1e6 for r in rates]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (system, by_rate) in enumerate(eff.items()):
+        color = f"C{i}"
+        meds = [statistics.median(by_rate[rate_text(r)]) if by_rate[rate_text(r)] else None
+                for r in rates]
+        ax.plot([x for x, m in zip(xs, meds) if m is not None], [m for m in meds if m is not None],
+                "o-", color=color, label=LABEL.get(system, system))
+        for x, r in zip(xs, rates):
+            ax.plot([x] * len(by_rate[rate_text(r)]), by_rate[rate_text(r)], ".", color=color,
+                    alpha=0.4)
+        pred = [plan.get(rate_text(r), {}).get(system) for r in rates]
+        if any(p is not None for p in pred):
+            ax.plot([x for x, p in zip(xs, pred) if p is not None],
+                    [p for p in pred if p is not None], "--", color=color,
+                    label=f"{LABEL.get(system, system)} (plan)")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate, Mbit/s each way")
+    ax.set_ylabel("scaling efficiency, 2 nodes x 1 rank")
+    ax.set_ylim(0, 1.05)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.legend(fontsize=8)
+    ax.set_title("Simulated cluster (bench/netsim.py scale)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    check_scale_args(args)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with stop_signals():
+        rates, facts = scale_rates(args, out)
+        comm = {}
+        for r in rates:  # the regime each rate is in, measured
+            comm[rate_text(r)] = allreduce_ms(r, args, out) / facts["step_ms_1node"] \
+                if facts else None
+        comm = {k: v for k, v in comm.items() if v is not None}
+        runs: list[dict] = []
+        for rep in range(args.repeats):
+            one_repeat(rep, rates, args, out, runs)
+    eff = efficiencies(runs, args.systems, rates)
+    plan = planned(args, runs, rates)
+    text = table(eff, plan, rates, comm)
+    result = {"command": shlex.join(sys.argv), "calibration": facts, "comm_over_compute": comm,
+              "rates": [rate_text(r) for r in rates], "efficiency": eff, "plan": plan,
+              "runs": runs, "model": model_flags(args), "steps": args.steps,
+              "repeats": args.repeats}
+    write_json(out / "scale.json", result)
+    (out / "scale.md").write_text(text)
+    plot(out / "scale.png", eff, plan, rates)
+    print(text, end="", flush=True)
+    say(f"results in {out}/scale.json, scale.md, scale.png")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    check_scale_args(args)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with stop_signals():
+        rate, facts = calibrate(args, out)
+    print(json.dumps(facts), flush=True)
+    return 0
+
+
+def check_scale_args(args: argparse.Namespace) -> None:
+    args.delay_ms = parse_delay(args.delay)
+    args.train_args = rest(args.train_args)
+    args.systems = [s.strip() for s in args.systems.split(",")]
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad:
+        raise UserError(f"--systems {bad[0]!r}: choose from {', '.join(SYSTEMS)}")
+    if not args.data.is_dir():
+        raise UserError(f"--data {args.data}: no such dataset directory")
+    if args.steps < 4 or getattr(args, "repeats", 1) < 1:
+        raise UserError("--steps at least 4 and --repeats at least 1")
+
+
+def add_scale_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", type=Path, required=True, help="dataset (data_tools prepare, MLM)")
+    p.add_argument("--out", type=Path, required=True, help="where results and runs go")
+    p.add_argument("--model", default="bert-tiny")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20, help="steps a run (default 20)")
+    p.add_argument("--buckets", type=int, default=8, help="DDP's gradient buckets (default 8)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"what to measure (default {','.join(SYSTEMS)})")
+    p.add_argument("--delay", default="0", help="each link's one-way delay (default 0)")
+    p.add_argument("--probe-rate", default="200mbit",
+                   help="rate the calibration's all-reduce is timed at (default 200mbit)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a run (default 1800)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_ARGS",
+                   help="more app train flags for the app's runs")
 
 
 def say(text: str) -> None:
@@ -495,6 +807,22 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("ddp", help="the plain PyTorch DDP reference (bench/ddp_reference.py)")
     add_cluster_flags(d)
     d.add_argument("ddp_args", nargs=argparse.REMAINDER, metavar="-- DDP_ARGS")
+    s = sub.add_parser("scale", help="2-node scaling efficiency: app ZeRO 0/1/2 vs plain DDP, "
+                                     "per link rate; table, JSON, PNG")
+    add_scale_flags(s)
+    s.add_argument("--rates", help="link rates, e.g. 100mbit,400mbit,none (else --calibrate)")
+    s.add_argument("--calibrate", action="store_true",
+                   help="pick the rates by measuring: comm/compute = each of --ratios")
+    s.add_argument("--ratios", default="0.5,1,2",
+                   help="with --calibrate: one all-reduce of the fp32 gradients over one 1-node "
+                        "step, one rate each (default 0.5,1,2)")
+    s.add_argument("--repeats", type=int, default=2, help="rounds, interleaved (default 2)")
+    s.add_argument("--plan", action="store_true",
+                   help="draw app plan's predicted efficiency too (needs app plan --compute-ms "
+                        "and --net-gbps; skipped with a note otherwise)")
+    cal = sub.add_parser("calibrate", help="the rate where one all-reduce of the fp32 gradients "
+                                           "takes one 1-node step")
+    add_scale_flags(cal)
     c = sub.add_parser("clean", help="remove namespaces of netsim runs that were killed")
     c.add_argument("--all", action="store_true",
                    help="also those of runs still going (stops them)")
@@ -505,7 +833,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         check_host()
-        return {"run": cmd_run, "ddp": cmd_ddp, "clean": cmd_clean}[args.command](args)
+        return {"run": cmd_run, "ddp": cmd_ddp, "clean": cmd_clean, "scale": cmd_scale,
+                "calibrate": cmd_calibrate}[args.command](args)
     except UserError as e:
         print(f"netsim: error: {e}", file=sys.stderr)
         return 2

@@ -44,7 +44,6 @@ from data_tools.errors import UserError  # noqa: E402
 PREFIX = "nsim"
 IFACE = "sim0"
 BRIDGE = "br0"
-PORT = 29500  # every cluster has its own network stack: a fixed port never clashes
 NAME = re.compile(rf"^{PREFIX}(\d+)-(sw|n\d+)$")
 STOP_GRACE_S = 45  # launch.sh's own stop: TERM to its ranks, KILL 30 s later
 
@@ -177,6 +176,10 @@ class Cluster:
         self.nodes = [f"{self.tag}-n{k}" for k in range(nodes)]
         self.rate, self.delay_ms = rate, delay_ms
         self.subnet = 0
+        # The rendezvous port. Each cluster has its own network stack, but DeepSpeed's CPU
+        # all-reduce buffers of a one-node cluster are named by address and port in the shared
+        # /dev/shm: a port of this run's own keeps concurrent runs apart.
+        self.port = 20000 + os.getpid() % 40000
 
     def addr(self, k: int) -> str:
         return f"10.213.{self.subnet}.{k + 1}"
@@ -219,6 +222,9 @@ class Cluster:
             for ns in [*self.nodes, self.switch]:
                 if ns in mine:
                     remove_namespace(ns)
+            for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{self.addr(0)}_"
+                                              f"{self.port}_*"):
+                path.unlink(missing_ok=True)  # DeepSpeed never unlinks them
 
     def qdiscs(self) -> str:
         """`tc qdisc show` of every shaped interface (what the run was shaped with)."""
@@ -379,8 +385,8 @@ def launch_commands(cluster: Cluster, ppn: int, train_args: list[str], hostfile:
     hostfile.write_text("".join(f"{cluster.addr(k)} slots={ppn}\n"
                                 for k in range(len(cluster.nodes))))
     return [["bash", str(REPO / "launch.sh"), "--hostfile", str(hostfile), "--no-ssh",
-             "--node-rank", str(k), "--master-addr", cluster.addr(0), "--master-port", str(PORT),
-             "--", *train_args] for k in range(len(cluster.nodes))]
+             "--node-rank", str(k), "--master-addr", cluster.addr(0), "--master-port",
+             str(cluster.port), "--", *train_args] for k in range(len(cluster.nodes))]
 
 
 def run_app(nodes: int, ppn: int, rate: int | None, delay_ms: float, train_args: list[str],
@@ -405,7 +411,7 @@ def ddp_commands(cluster: Cluster, ppn: int, args: list[str]) -> tuple[list, lis
     n = len(cluster.nodes)
     commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n),
                  "--nproc-per-node", str(ppn), "--node-rank", str(k), "--master-addr",
-                 cluster.addr(0), "--master-port", str(PORT),
+                 cluster.addr(0), "--master-port", str(cluster.port),
                  str(REPO / "bench" / "ddp_reference.py"), *args] for k in range(n)]
     return commands, [node_env(1) for _ in commands]
 

@@ -224,3 +224,23 @@ def test_four_nodes_train_as_four_ranks_on_one_node(mlm_dataset, tmp_path):
     ok(train_on(mlm_dataset, tmp_path / "net", 4, 1, "1gbit", 3))
     ok(train_on(mlm_dataset, tmp_path / "local", 1, 4, "none", 3))
     same_losses(tmp_path / "net", tmp_path / "local")
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_app_bench_sweeps_the_link_rate_on_the_simulated_cluster(mlm_dataset, tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "app", "bench", "--data", str(mlm_dataset),
+                           "--out", str(out), "--sweep", "world=1,2", "rate=100mbit",
+                           "--steps", "3", "--", "--dropout", "0"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = (out / "results.csv").read_text().splitlines()
+    assert len(rows) == 3 and all(",100mbit," in r and ",ok," in r for r in rows[1:]), rows
+    two = json.loads((out / "results" / "bert-tiny-zero0-world2-mb32-seq128-workers0-threads1-"
+                      "nodes2-rate100mbit.json").read_text())
+    assert two["status"] == "ok" and two["config"]["nodes"] == 2
+    log = (out / "runs" / "bert-tiny-zero0-world2-mb32-seq128-workers0-threads1-nodes2-"
+           "rate100mbit.log").read_text()
+    assert "2 node(s) x 1 rank(s), links 100mbit" in log
+    assert leftovers() == []

@@ -546,14 +546,21 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def plan_scaling(args: argparse.Namespace, compute_ms: float, rate: int | None
-                 ) -> dict[str, float] | None:
+def plan_scaling(args: argparse.Namespace, compute_ms: float, rate: int | None,
+                 help_text: str) -> dict[str, float] | None:
     """The planner's predicted 2-node efficiency per ZeRO stage at `rate` (`app plan
-    --compute-ms M --net-gbps G --nodes 2 --json`), or None when this app's plan has no network
-    model (the flag is unknown) or says nothing usable."""
+    --compute-ms M --net-gbps G --nodes 2 --json`), or None when it says nothing usable. The
+    run's own facts go with it where the planner takes them: fp32, the CPU accelerator's overlap,
+    the dataset's vocabulary."""
+    from data_tools.manifest import load_manifest
+
     cmd = [sys.executable, "-m", "app", "plan", *model_flags(args), "--gpus", "2",
            "--gpus-per-node", "1", "--nodes", "2", "--compute-ms", f"{compute_ms:.1f}",
            "--net-gbps", f"{(rate or 100e9) / 1e9:g}", "--json"]
+    for flag, value in (("--precision", "fp32"), ("--device-kind", "cpu"),
+                        ("--vocab-size", str(load_manifest(args.data)["vocab_size"]))):
+        if flag in help_text:
+            cmd += [flag, value]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=node_env(1))
     if proc.returncode != 0:
         return None
@@ -561,23 +568,27 @@ def plan_scaling(args: argparse.Namespace, compute_ms: float, rate: int | None
         plan = json.loads(proc.stdout)
     except ValueError:
         return None
-    return stage_efficiency(plan)
+    return {"efficiency": stage_efficiency(plan), "step_ms": stage_efficiency(plan, "step_ms")}
 
 
-def stage_efficiency(plan) -> dict[str, float]:
-    """{"zero0": efficiency at 2 nodes, ...} from wherever the plan's JSON puts per-stage
-    `scaling` lists (a dict keyed by stage, or entries carrying `zero`/`stage`)."""
+def stage_efficiency(plan, key: str = "efficiency") -> dict[str, float]:
+    """{"zero0": efficiency (or `key`) at 2 nodes, ...} from wherever the plan's JSON puts
+    per-stage `scaling` lists (a dict keyed by stage, or entries carrying `zero`/`stage`)."""
     found: dict[str, float] = {}
 
     def walk(node, stage):
         if isinstance(node, dict):
-            stage = next((node[k] for k in ("zero", "stage", "zero_stage") if k in node), stage)
-            for key, value in node.items():
-                sub = key[-1] if re.fullmatch(r"(zero|stage)[-_ ]?[0-3]", str(key)) else stage
-                if key == "scaling" and isinstance(value, list) and stage is not None:
+            if node.get("offload"):
+                return
+            named = next((node[k] for k in ("zero_stage", "stage", "zero") if k in node), None)
+            digit = re.search(r"[0-3]", str(named)) if named is not None else None
+            stage = digit.group(0) if digit else stage
+            for name, value in node.items():
+                sub = name[-1] if re.fullmatch(r"(zero|stage)[-_ ]?[0-3]", str(name)) else stage
+                if name == "scaling" and isinstance(value, list) and stage is not None:
                     for row in value:
-                        if isinstance(row, dict) and row.get("nodes") == 2:
-                            found[f"zero{stage}"] = float(row["efficiency"])
+                        if isinstance(row, dict) and row.get("nodes") == 2 and key in row:
+                            found[f"zero{stage}"] = float(row[key])
                 else:
                     walk(value, sub)
         elif isinstance(node, list):
@@ -587,26 +598,41 @@ def stage_efficiency(plan) -> dict[str, float]:
     return found
 
 
-def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]) -> dict:
-    """{rate: {stage: predicted efficiency}} with the measured 1-node ZeRO-0 step as compute;
-    empty (and a note) when the planner has no network model."""
+def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
+            ) -> tuple[dict, dict]:
+    """({rate: {stage: predicted efficiency}}, {rate: {stage: predicted 2-node step ms}}) with
+    the measured 1-node ZeRO-0 step as compute; empty (and a note) when the planner has no
+    network model."""
     if not args.plan:
-        return {}
+        return {}, {}
     help_text = subprocess.run([sys.executable, "-m", "app", "plan", "--help"],
                                capture_output=True, text=True, cwd=REPO, env=node_env(1)).stdout
     if "--compute-ms" not in help_text or "--net-gbps" not in help_text:
         say("--plan: this app's `app plan` has no --compute-ms/--net-gbps; no planned curve")
-        return {}
+        return {}, {}
     ones = [r["step_time_ms"] for r in runs
             if r["nodes"] == 1 and r["system"] == "zero0" and r.get("step_time_ms")]
     if not ones:
-        return {}
+        return {}, {}
     compute = statistics.median(ones)
-    return {rate_text(r): plan_scaling(args, compute, r) or {} for r in rates}
+    got = {rate_text(r): plan_scaling(args, compute, r, help_text) or {} for r in rates}
+    return ({r: g.get("efficiency", {}) for r, g in got.items()},
+            {r: g.get("step_ms", {}) for r, g in got.items()})
 
 
-def table(eff: dict, plan: dict, rates: list[int | None], comm: dict) -> str:
-    """Markdown: one row a rate, the median efficiency (and each repeat's) per system."""
+def measured_steps(runs: list[dict]) -> dict:
+    """{rate: {system: median 2-node step ms}} over the repeats."""
+    out: dict = {}
+    for r in runs:
+        if r["nodes"] == 2 and r.get("step_time_ms"):
+            out.setdefault(r["rate"], {}).setdefault(r["system"], []).append(r["step_time_ms"])
+    return {rate: {s: statistics.median(v) for s, v in by.items()} for rate, by in out.items()}
+
+
+def table(eff: dict, plan: dict, rates: list[int | None], comm: dict,
+          steps: tuple[dict, dict] = ({}, {})) -> str:
+    """Markdown: one row a rate, the median efficiency (and each repeat's) per system; the
+    plan's efficiency and 2-node step against the measured median step."""
     systems = list(eff)
     head = ["rate", "all-reduce / 1-node step", *[LABEL.get(s, s) for s in systems]]
     if plan:
@@ -619,10 +645,19 @@ def table(eff: dict, plan: dict, rates: list[int | None], comm: dict) -> str:
             cells.append(f"{statistics.median(v):.2f} ({', '.join(f'{x:.2f}' for x in v)})"
                          if v else "failed")
         if plan:
-            cells += [f"{plan[rate][s]:.2f}" if s in plan.get(rate, {}) else "-"
-                      for s in ("zero0", "zero1", "zero2")]
+            cells += [plan_cell(rate, s, plan, *steps) for s in ("zero0", "zero1", "zero2")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def plan_cell(rate: str, system: str, plan: dict, plan_steps: dict, measured: dict) -> str:
+    if system not in plan.get(rate, {}):
+        return "-"
+    cell = f"{plan[rate][system]:.2f}"
+    step, real = plan_steps.get(rate, {}).get(system), measured.get(rate, {}).get(system)
+    if step and real:
+        cell += f" ({step:,.0f} ms; measured {real:,.0f}, {step / real - 1:+.0%})"
+    return cell
 
 
 LABEL = {"ddp": "DDP", "zero0": "app ZeRO-0", "zero1": "app ZeRO-1", "zero2": "app ZeRO-2"}
@@ -677,10 +712,12 @@ def cmd_scale(args: argparse.Namespace) -> int:
         for rep in range(args.repeats):
             one_repeat(rep, rates, args, out, runs)
     eff = efficiencies(runs, args.systems, rates)
-    plan = planned(args, runs, rates)
-    text = table(eff, plan, rates, comm)
+    plan, plan_steps = planned(args, runs, rates)
+    steps = measured_steps(runs)
+    text = table(eff, plan, rates, comm, (plan_steps, steps))
     result = {"command": shlex.join(sys.argv), "calibration": facts, "comm_over_compute": comm,
               "rates": [rate_text(r) for r in rates], "efficiency": eff, "plan": plan,
+              "plan_step_ms": plan_steps, "step_ms_2node": steps,
               "runs": runs, "model": model_flags(args), "steps": args.steps,
               "repeats": args.repeats}
     write_json(out / "scale.json", result)

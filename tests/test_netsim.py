@@ -120,6 +120,14 @@ def test_the_plans_efficiency_is_read_per_stage_wherever_it_sits():
     assert netsim.stage_efficiency(by_key) == {"zero1": 0.7}
     assert netsim.stage_efficiency(by_field) == {"zero2": 0.6}
     assert netsim.stage_efficiency({"scaling": []}) == {}
+    planner = {"stages": [  # app plan --json: a list of stages, each with its network section
+        {"zero": "ZeRO-0", "zero_stage": 0, "offload": False,
+         "network": {"scaling": [{"nodes": 2, "efficiency": 0.5}]}},
+        {"zero": "ZeRO-3 + offload", "zero_stage": 3, "offload": True,
+         "network": {"scaling": [{"nodes": 2, "efficiency": 0.1}]}}]}
+    assert netsim.stage_efficiency(planner) == {"zero0": 0.5}
+    planner["stages"][0]["network"]["scaling"][0]["step_ms"] = 1010.0
+    assert netsim.stage_efficiency(planner, "step_ms") == {"zero0": 1010.0}
 
 
 def test_a_sweep_rate_runs_each_world_on_the_simulated_cluster():

@@ -108,11 +108,10 @@ def csv_text(table: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-MD_COLUMNS = (("world_size", "world"), ("nodes", "nodes"), ("rate", "link"), ("zero", "ZeRO"),
-              ("model", "model"),
+MD_COLUMNS = (("world_size", "world"), ("nodes", "nodes"), ("zero", "ZeRO"), ("model", "model"),
               ("micro_batch", "micro batch"), ("seq_len", "seq"), ("threads", "threads"),
-              ("workers", "workers"), ("status", "status"), ("tokens_per_sec", "tokens/s"),
-              ("tokens_per_sec_per_device", "tokens/s/device"),
+              ("workers", "workers"), ("rate", "link"), ("status", "status"),
+              ("tokens_per_sec", "tokens/s"), ("tokens_per_sec_per_device", "tokens/s/device"),
               ("step_time_ms", "step ms (median)"), ("step_time_ms_min", "min"),
               ("step_time_ms_max", "max"), ("data_wait_pct", "data wait %"),
               ("data_wait_pct_max", "slowest rank %"), ("mfu", "MFU"),

@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         result = allreduce(args, world) if args.allreduce_only else train(args, rank, world)
+        # every rank past its last collective before any closes its pairs: one that tore its
+        # group down while a peer's last transfer was still in flight aborted (gloo, "terminate
+        # called without an active exception") on a slow link
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     result.update(world=world, micro_batch=args.micro_batch, seq_len=args.seq_len)

@@ -442,8 +442,7 @@ def recommend_network(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup]
     stage's exposed communication is at most HIDDEN_SHARE of the step at `net.nodes` nodes."""
     if compute_ms(req, 1, 1, peak, fpt) is None:
         return "no compute time to hide behind (give --gpu NAME, --peak-tflops or --compute-ms)"
-    best = None  # (samples per device, -tokens/s, stage index), text
-    fallback = None
+    best = fallback = None  # rows: ((samples per device, -tokens/s, stage), label, micro, gas, t)
     for i, (setup, stage) in enumerate(zip(setups, stages)):
         if setup.offload or stage.max_micro_batch < 1:
             continue
@@ -459,7 +458,7 @@ def recommend_network(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup]
                 if t.exposed_comm_ms <= HIDDEN_SHARE * t.step_ms:
                     best = min(best, row) if best else row
                     break
-                fallback = max(fallback, row, key=lambda r: -r[0][1]) if fallback else row
+                fallback = min(fallback, row, key=lambda r: r[0][1]) if fallback else row
                 gas *= 2
     return _network_reason(req, net, best, fallback)
 
@@ -855,8 +854,8 @@ def write_plot(plan: Plan, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (stage, n) in enumerate(zip(plan.stages, plan.networks)):
         xs = [r["nodes"] for r in n.scaling]
-        ax.plot(xs, [r["efficiency"] for r in n.scaling], "o-", color=f"C{i}",
-                label=stage.memory.setup.label)
+        ax.plot(xs, [r["efficiency"] for r in n.scaling], "o--" if stage.memory.setup.offload
+                else "o-", color=f"C{i}", label=stage.memory.setup.label)
     ax.axhline(1.0, color="gray", linestyle=":", label="ideal")
     link = plan.net.link
     ax.set_title(f"{plan.request.model}: predicted scaling efficiency, "

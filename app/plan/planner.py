@@ -684,7 +684,8 @@ def render_network(plan: Plan) -> list[str]:
         ", assumed: give --interconnect or --net-gbps" if net.assumed else "")
     compute = (f"compute: measured {req.compute_ms:g} ms per step at micro batch "
                f"{req.micro_batch} x {req.grad_accum}" if req.compute_ms else
-               "compute: FLOPs at the assumed MFU")
+               "compute: FLOPs at the assumed MFU" if plan.peak_tflops else
+               "compute: unknown (no peak TFLOP/s), so communication only")
     lines = [f"network: {link.inter_gbps:,g} Gb/s per node, {link.inter_latency_us:g} us per "
              f"ring step ({source}); {link.intra_gbps:,g} Gb/s between a node's devices; "
              f"{net.nodes} node(s) x {req.per_node}; {compute}"]

@@ -336,6 +336,8 @@ class Job:
     def collectives(self) -> list[Collective]:
         overlap = self.overlap or overlap_of(self.stage, self.precision, self.device)
         b = {"reduce_bucket": 500_000_000, "allgather_bucket": 500_000_000, **self.buckets}
+        if path_of(self.stage, self.precision) == "zero1-bf16":  # the engine's fallback reduces
+            b["reduce_bucket"] = b.get("allreduce_bucket", ALLREDUCE_BUCKET)
         return collectives(self.stage, self.params,
                            comm_bytes=DTYPE_BYTES[self.comm_dtype or self.precision],
                            weight_bytes=DTYPE_BYTES[self.precision], overlap=overlap,

@@ -816,8 +816,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     a("--overlap-fraction", type=float, default=network.BACKWARD_FRACTION, metavar="F",
       help="share of a micro step that hides an overlapped gradient reduction (default 2/3: "
       "backward)")
-    a("--device-kind", default="gpu", choices=("gpu", "cpu"), help="what DeepSpeed overlaps: "
-      "cpu for its CPU accelerator, where nothing does (a simulated cluster; default gpu)")
+    a("--device-kind", default="gpu", choices=("gpu", "cpu"), help="which overlap assumptions "
+      "apply: cpu for DeepSpeed's CPU accelerator (a simulated cluster), whose side streams are "
+      "no-ops (default gpu)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ full disk, a permission) removes its partial tag and leaves `latest` where it wa
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -87,7 +88,8 @@ def latest_problem(ckpt_dir: Path) -> str | None:
     """What is wrong with `latest` (None when it names a tag directory)."""
     path = ckpt_dir / LATEST
     if not path.is_file():
-        return f"{path} is missing"
+        return (f"{path} is missing" if not os.path.lexists(path) else
+                f"{path} is not a regular file" if path.exists() else f"{path} is a dangling link")
     text = path.read_bytes().decode("utf-8", errors="replace").strip()
     if not text:
         return f"{path} is empty"

@@ -205,6 +205,9 @@ def test_verify_names_a_missing_resized_or_changed_file(tmp_path):
     (tmp_path / "rng_rank1.pt").unlink()
     with pytest.raises(UserError, match=r"rng_rank1\.pt: missing"):
         manifest.verify(tmp_path)
+    os.mkfifo(tmp_path / "rng_rank1.pt")  # never opened: a FIFO would block the read
+    with pytest.raises(UserError, match=r"rng_rank1\.pt: not a regular file \(listed in"):
+        manifest.verify(tmp_path)
 
 
 def test_checksums_of_several_files_at_once_are_those_of_one_at_a_time(tmp_path, monkeypatch):

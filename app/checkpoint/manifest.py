@@ -113,7 +113,8 @@ def verify(tag_dir: Path) -> bool:
     for name, entry in manifest["files"].items():
         f = tag_dir / name
         if not f.is_file():
-            raise UserError(f"{f}: missing (listed in {NAME}): the checkpoint is incomplete")
+            what = "not a regular file" if os.path.lexists(f) else "missing"
+            raise UserError(f"{f}: {what} (listed in {NAME}): the checkpoint is incomplete")
         stat = f.stat()
         if stat.st_size != entry["size"]:
             raise UserError(f"{f}: {stat.st_size} bytes, {entry['size']} when saved: the file "

@@ -243,8 +243,9 @@ def test_no_good_checkpoint_left_stops_naming_each_one(tmp_path):
     for tag in (first, second):
         flip(run.ckpt_dir / tag / "mp_rank_00_model_states.pt")
     run.steps(2)
-    with pytest.raises(Stopped, match="no good checkpoint to roll back to: global_step4 damaged "
-                                      r"\(.*mp_rank_00_model_states.pt.*; global_step2 damaged") as e:
+    wanted = (r"no good checkpoint to roll back to: global_step4 damaged \(.*"
+              r"mp_rank_00_model_states.pt.*; global_step2 damaged")
+    with pytest.raises(Stopped, match=wanted) as e:
         run.check()
     assert e.value.code == anomaly.EXIT_ANOMALY and run.rewound == []
     assert "\n" not in str(e.value)

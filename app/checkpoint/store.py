@@ -15,8 +15,9 @@ train_state.json lets a resume be checked (and refused) before any process group
 is complete when its manifest matches its files: an interrupted save is known by what it lacks
 (no manifest), a damaged one by the file that differs, never by its age. `--resume auto` takes
 the newest complete tag (whatever `latest` says, or when it is gone) and clears the tags after
-it: interrupted ones are removed, damaged ones set aside as TAG.damaged. A save that fails (a
-full disk, a permission) removes its partial tag and leaves `latest` where it was.
+it: interrupted ones are removed, damaged ones set aside as TAG.damaged. A rollback does the same
+among the tags at or before its step (`choose_rollback`). A save that fails (a full disk, a
+permission) removes its partial tag and leaves `latest` where it was.
 """
 from __future__ import annotations
 

@@ -92,8 +92,9 @@ class Recovery:
                 **self.describe_batch(batch), "reason": found.describe()})
 
     def rollback(self, found: anomaly.Anomaly, rewind: Callable[[str], None]) -> None:
-        """Back to the last checkpoint (written before the anomaly: saves follow clean checks),
-        without the skipped batches, with the LR cooled down for a while."""
+        """Back to the newest good checkpoint (written before the anomaly: saves follow clean
+        checks; a damaged one passed over), without the skipped batches, with the LR cooled
+        down for a while."""
         rules, s = self.rules, self.state
         self._rollbacks = [x for x in self._rollbacks if x > s.step - rules.rollback_window]
         self._rollbacks.append(s.step)

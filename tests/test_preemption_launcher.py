@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -21,14 +22,21 @@ EXIT_PREEMPTED = 75
 pytestmark = pytest.mark.multirank
 
 
+def cluster_default_nofile() -> None:
+    """A soft open-file limit of 1,024 (a common default), the hard one left as it is."""
+    resource.setrlimit(resource.RLIMIT_NOFILE,
+                       (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
 def start_job(data: Path, out: Path, max_steps: int, **env: str) -> subprocess.Popen:
-    """launch.sh with 2 ranks and a loader worker each, in a session of its own (setsid)."""
+    """launch.sh with 2 ranks and a loader worker each, in a session of its own (setsid), under
+    a soft open-file limit of 1,024."""
     args = ["--data", data, "--out", out, *TINY, "--num-workers", "1", "--model", "bert-tiny",
             "--max-steps", max_steps, "--save-every", 1000, "--log-every", 1]
     return subprocess.Popen(["bash", str(LAUNCH), "--procs-per-node", "2", "--",
                              *map(str, args)], cwd=REPO, env={**clean_env(), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=cluster_default_nofile)
 
 
 def signal_session(sid: int, signum: int) -> int:
@@ -75,6 +83,9 @@ def test_a_signal_to_every_process_of_the_job_saves_and_exits_75(mlm_dataset, tm
     text = finish(job, job.pid)
     assert job.returncode == EXIT_PREEMPTED, text[-3000:]
     assert "Traceback" not in text
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard > 1024:  # the ranks took what the hard limit allows, and said so
+        assert "raised the open-file limit from 1024 to" in text
     tag = (out / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(tag.removeprefix("global_step"))
     assert 3 <= stopped_at < 40 and (out / "checkpoints" / tag).is_dir()

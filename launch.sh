@@ -644,7 +644,6 @@ on_failure() {  # USR1: a host failed (watch_stderr), or the scheduler's signal 
   stop_job "the launcher on $host exited with status $code" "$code"
 }
 # The stop's deadline passed and the job still runs here: KILL it (once; again in an hour).
-# shellcheck disable=SC2317
 kill_overdue() {
   [ "$SECONDS" -ge "$deadline" ] || return 0
   echo "launch.sh: the job outlived its stop by 90 s: killing what runs here" >&2

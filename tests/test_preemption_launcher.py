@@ -66,6 +66,25 @@ def logged_steps(out: Path) -> int:
     return sum('"train/loss"' in line for line in path.read_text().splitlines())
 
 
+def tcp_sockets_of_rank(sid: int, rank: int) -> int:
+    """TCP sockets the python process of `rank` in session `sid` holds (/proc: fd -> inode)."""
+    for pid in subprocess.run(["pgrep", "-s", str(sid)], capture_output=True,
+                              text=True).stdout.split():
+        proc = Path("/proc", pid)
+        try:
+            env = proc.joinpath("environ").read_bytes().split(b"\0")
+            cmd = proc.joinpath("cmdline").read_bytes().split(b"\0")
+            inodes = {os.readlink(fd)[8:-1] for fd in proc.joinpath("fd").iterdir()
+                      if os.readlink(fd).startswith("socket:[")}
+            tcp = {line.split()[9] for t in ("tcp", "tcp6")
+                   for line in proc.joinpath("net", t).read_text().splitlines()[1:]}
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"app" in cmd and b"train" in cmd:
+            return len(inodes & tcp)
+    raise AssertionError(f"no rank {rank} in session {sid}")
+
+
 def finish(job: subprocess.Popen, sid: int, timeout: float = 180) -> str:
     try:
         text, _ = job.communicate(timeout=timeout)
@@ -79,6 +98,10 @@ def test_a_signal_to_every_process_of_the_job_saves_and_exits_75(mlm_dataset, tm
     out = tmp_path / "run"
     job = start_job(mlm_dataset, out, max_steps=40)
     wait_until(lambda: logged_steps(out) >= 3, job)
+    # the stop agreement rides on the job's group: rank 1 holds gloo's pair and listener for
+    # the world group and for DeepSpeed's clone of it, and the rendezvous store's client; a group
+    # of its own would add a pair and a listener (7 on main)
+    assert tcp_sockets_of_rank(job.pid, 1) <= 5
     assert signal_session(job.pid, signum) > 6  # launch.sh, runner, launch.py, 2 ranks, workers
     text = finish(job, job.pid)
     assert job.returncode == EXIT_PREEMPTED, text[-3000:]

@@ -128,7 +128,7 @@ class StopRequests:
     behind the collective (non_blocking, an event recorded after it), so reading it waits only if
     the device is still LAG steps behind the host, which a real step never is; on CPU the reduced
     tensor is the host's. Every rank reads the same boundary's result at the same boundary index,
-    so all of them stop at the same step, LAG steps after the signal at most.
+    so all of them stop at the same step, at most LAG + 1 steps after the signal.
     """
 
     def __init__(self, several_ranks: bool):
@@ -136,12 +136,15 @@ class StopRequests:
         self._several = several_ranks
         self._ballots: deque = deque()  # agreements in flight, oldest first
         if several_ranks:
+            import torch
+
             from app.runtime.device import accelerator
 
             acc = accelerator()
             self._on = acc.current_device_name()  # this rank's device, bound by init
             self._event = acc.Event  # None on CPU: the reduced tensor is already the host's
-            self._pinned = [acc.pin_memory(_int_tensor(0, "cpu")) for _ in range(LAG)]
+            host = [torch.zeros(1, dtype=torch.int32) for _ in range(LAG)]  # host memory
+            self._pinned = [acc.pin_memory(t) for t in host]  # (a no-op on CPU)
 
     @property
     def requested(self) -> int:

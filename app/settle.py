@@ -142,6 +142,8 @@ def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
                         f"{'an encoder (mlm)' if p.objective == 'mlm' else 'a decoder (clm)'}")
     eod = manifest["eod_token_id"]
     special = {"pad_token_id": manifest.get("pad_token_id")}
+    if objective == "mlm":  # the encoder families' [CLS]/[SEP] fields (app.model.Preset.ids)
+        special.update(cls_token_id=manifest.get("cls_token_id"), sep_token_id=eod)
     if objective == "clm":
         special.update(bos_token_id=manifest.get("bos_token_id", eod), eos_token_id=eod)
     attn = attention_implementation(cfg.attn, device, precision, cfg.packing)

@@ -7,8 +7,11 @@ from app.model import (PRESETS, build_config, build_model, config_from_dict, cou
 from data_tools.errors import UserError
 
 SPECIAL = {"pad_token_id": 0}
-# Published sizes with their vocabularies (BERT 30,522; GPT-2 50,257), within 3%.
+# Published sizes with their vocabularies (BERT 30,522; RoBERTa 50,265; ModernBERT 50,368;
+# GPT-2 50,257), within 3%.
 EXPECTED_PARAMS = {"bert-120m": (30522, 110e6), "bert-350m": (30522, 335e6),
+                   "roberta-base": (50265, 125e6), "roberta-large": (50265, 355e6),
+                   "modernbert-base": (50368, 149e6), "modernbert-large": (50368, 395e6),
                    "gpt-125m": (50257, 124e6), "gpt-350m": (50257, 355e6)}
 
 
@@ -77,8 +80,9 @@ def masked_positions(labels: torch.Tensor, slots: int) -> tuple[torch.Tensor, to
     return pos, out
 
 
-def test_sparse_mlm_head_gives_the_same_loss_and_gradients():
-    config = build_config("bert-tiny", vocab_size=500, special_ids=SPECIAL, dropout=0.0)
+@pytest.mark.parametrize("name", ["bert-tiny", "roberta-tiny", "modernbert-tiny"])
+def test_sparse_mlm_head_gives_the_same_loss_and_gradients(name):
+    config = build_config(name, vocab_size=500, special_ids=SPECIAL, dropout=0.0)
     dense = build_model(config, seed=1)
     sparse = build_model(config, seed=1, for_training=True)
     ids = torch.randint(1, 500, (3, 32))

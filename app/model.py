@@ -6,7 +6,8 @@ the dataset's tokenizer, and any config field can be overridden (`--model-arg ke
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as default_of
 from typing import Any, Mapping
 
 import torch
@@ -30,7 +31,7 @@ class Preset:
     objective: str
     """"mlm" (encoder, BERT-like) or "clm" (decoder, GPT-like)."""
     fields: Mapping[str, Any]
-    ids: Mapping[str, str] = field(default_factory=dict)
+    ids: Mapping[str, str] = default_of(default_factory=dict)
     """Config fields that take the dataset's [CLS] or [SEP] id ("cls" or "sep"): an encoder
     family's own names for them (RoBERTa's <s> and </s> are its bos and eos)."""
 

@@ -191,7 +191,9 @@ def settle_schedule(cfg: TrainConfig, global_batch: int) -> tuple[int, int, Call
         total_steps = min(total_steps, math.ceil(cfg.max_tokens / (global_batch * cfg.seq_len)))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
     return total_steps, warmup, schedule_fn(warmup_steps=warmup, total_steps=total_steps,
-                                            decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)
+                                            decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio,
+                                            decay_fraction=cfg.decay_fraction,
+                                            decay_shape=cfg.decay_shape)
 
 
 def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: str,

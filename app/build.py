@@ -158,7 +158,8 @@ def _engine(plan: Plan, cooldown: anomaly.Cooldown):
     # ZeRO-3: built partitioned (no rank holds the whole model), same weights as ZeRO 0-2
     zero3 = plan.ds_config if zero_stage(plan.ds_config) == 3 else None
     model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
-                        seed=cfg.seed, for_training=True, zero3_config=zero3)
+                        seed=cfg.seed, for_training=True, zero3_config=zero3,
+                        init_from=plan.init_from)
     n_params = count_parameters(model)
     engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown),
                         optimizer_groups(model, cfg.weight_decay))

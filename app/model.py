@@ -6,6 +6,7 @@ the dataset's tokenizer, and any config field can be overridden (`--model-arg ke
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from dataclasses import dataclass
 from dataclasses import field as default_of
 from typing import Any, Mapping
@@ -316,7 +317,8 @@ SPARSE_HEADS = {"bert": SparseHeadBertForMaskedLM, "roberta": SparseHeadRobertaF
 
 def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = False,
                 seed: int | None = None, for_training: bool = False,
-                zero3_config: Mapping[str, Any] | None = None) -> torch.nn.Module:
+                zero3_config: Mapping[str, Any] | None = None,
+                init_from: Path | None = None) -> torch.nn.Module:
     """A freshly initialised model for the config's objective (same seed, same weights).
 
     `for_training`: the MLM head takes the loader's masked positions (SparseHeadBertForMaskedLM),
@@ -325,12 +327,16 @@ def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = Fals
     `zero3_config`: a ZeRO-3 DeepSpeed config; the model is then built partitioned
     (`deepspeed.zero.Init`, in a process group): no rank ever holds all of it, and its weights
     are the same as an unpartitioned build's (app.runtime.zero3_init).
+    `init_from`: a Hugging Face model directory whose weights replace the fresh ones (a warm
+    start, checked by check_init_config; not with `zero3_config`).
     """
     if seed is not None:
         torch.manual_seed(seed)
     auto = AutoModelForMaskedLM if objective_of(config) == "mlm" else AutoModelForCausalLM
     with partitioned(zero3_config):
         model = _instantiate(config, auto, for_training)
+    if init_from is not None:
+        load_init_weights(model, init_from)
     if for_training:
         for part in model.modules():  # the base model (GPT2Model, ...) is the one that looks
             if isinstance(part, PreTrainedModel):
@@ -379,3 +385,70 @@ def count_parameters(model: torch.nn.Module) -> int:
     """Unique parameters (tied weights once)."""
     return sum(getattr(p, "ds_numel", p.numel())  # ZeRO-3: the whole, not this rank's shard
                for p in {id(p): p for p in model.parameters()}.values())
+
+
+# Config fields that fix the shapes of the weights: an --init-from source must agree on them
+_GEOMETRY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "max_position_embeddings", "type_vocab_size", "head_dim",
+             "layer_types", "global_attn_every_n_layers")
+
+
+def read_init_config(directory: Path) -> PretrainedConfig:
+    """The config of an --init-from directory (a Hugging Face model directory: an `app export`,
+    a downloaded model); UserError when there is none."""
+    if not (directory / "config.json").is_file():
+        raise UserError(f"--init-from {directory}: no config.json (expected a Hugging Face model "
+                        f"directory, e.g. one written by `app export`)")
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except Exception as e:  # noqa: BLE001 - transformers' many ways to reject a config
+        raise UserError(f"--init-from {directory}: config.json is not a usable model config "
+                        f"({(str(e).strip().splitlines() or [type(e).__name__])[-1]})") from None
+
+
+def check_init_config(config: PretrainedConfig, source: PretrainedConfig, vocab_size: int,
+                      directory: Path, preset_name: str) -> None:
+    """UserError unless `source` has this run's architecture, geometry and vocabulary (the
+    dataset tokenizer's size; the run's tensor-core padding rows are not in an export)."""
+    where = f"--init-from {directory}"
+    if type(source) is not type(config):
+        raise UserError(f"{where}: a {source.model_type} model; --model {preset_name} is "
+                        f"{config.model_type} (choose a preset of the source's architecture)")
+    for name in _GEOMETRY:
+        want, got = getattr(config, name, None), getattr(source, name, None)
+        if want is not None and got is not None and want != got:
+            raise UserError(f"{where}: its {name} is {got!r}, --model {preset_name}'s {want!r} "
+                            f"(set it with --model-arg {name}=..., or choose another preset)")
+    if int(source.vocab_size) not in (vocab_size, int(config.vocab_size)):
+        raise UserError(f"{where}: a vocabulary of {source.vocab_size} tokens; the dataset's "
+                        f"tokenizer has {vocab_size} (the model must come with the dataset's "
+                        f"tokenizer)")
+
+
+def load_init_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Copy the weights of the Hugging Face model in `directory` into `model` (fp32, in place;
+    checked compatible by check_init_config). The source's vocabulary may lack the run's
+    tensor-core padding rows: those keep their fresh initialisation (never a target)."""
+    auto = AutoModelForMaskedLM if objective_of(model.config) == "mlm" else AutoModelForCausalLM
+    try:
+        source = auto.from_pretrained(directory, dtype=torch.float32).state_dict()
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"--init-from {directory}: weights not loadable "
+                        f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]})") \
+            from None
+    own = model.state_dict()
+    missing = [k for k in own if k not in source]
+    if missing:
+        raise UserError(f"--init-from {directory}: weights do not fit the model (missing "
+                        f"{missing[:3]})")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            got = source[name]
+            rows = min(got.shape[0], tensor.shape[0]) if got.dim() else 0
+            if got.shape == tensor.shape:
+                tensor.copy_(got)
+            elif got.shape[1:] == tensor.shape[1:]:  # the vocabulary's padding rows
+                tensor[:rows].copy_(got[:rows])
+            else:
+                raise UserError(f"--init-from {directory}: {name} is {tuple(got.shape)}, the "
+                                f"model's {tuple(tensor.shape)}")

@@ -16,7 +16,8 @@ from app.checkpoint import store as checkpoint
 from app.checkpoint.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
-from app.model import build_config, max_positions, parse_overrides, preset
+from app.model import (build_config, check_init_config, max_positions, parse_overrides, preset,
+                       read_init_config)
 from app.runtime.device import Device, attention_implementation
 from app.runtime.dist import World
 from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, validate_ds_config,
@@ -58,6 +59,8 @@ class Plan:
     """(checkpoint dir, tag) to resume from."""
     switch: Switch
     """The checkpoint's layout against this run's, and the run's layout history."""
+    init_from: Path | None = None
+    """A new run's starting weights (--init-from; None when resuming: the checkpoint has them)."""
 
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
@@ -83,6 +86,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
     check_steps_left(resume, total_steps, cfg)
     switch = settle_switch(resume, ds, world, gbs)
+    init_from = settle_init(cfg, model_config, sources, resume, ds, world.is_main)
     if world.is_main:
         print_data(sources, stats, cfg.seq_len, gbs, total_steps)
     return Plan(cfg=cfg, device=device, world=world, sources=sources, manifest=manifest,
@@ -90,7 +94,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
                 precision=precision, total_steps=total_steps, warmup_steps=warmup,
                 lr_lambda=lr_lambda,
                 train_samples=tuple(st["num_samples"] for st in stats),
-                eval_sources=eval_sources, resume=resume, switch=switch)
+                eval_sources=eval_sources, resume=resume, switch=switch, init_from=init_from)
 
 
 def print_data(sources: Sources, stats: list[dict[str, Any]], seq_len: int, gbs: int,
@@ -215,6 +219,58 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: s
     if not checkpoint.check_files(where) and is_main and not is_universal(where):
         print(checkpoint.unverified_note(where), file=sys.stderr)
     return resume
+
+
+def settle_init(cfg: TrainConfig, model_config, sources: Sources, resume: tuple[Path, str] | None,
+                ds: dict[str, Any], is_main: bool) -> Path | None:
+    """--init-from checked against this run (architecture, geometry, vocabulary and tokenizer):
+    the directory to take the starting weights from, or None (no --init-from, or a resume)."""
+    if cfg.init_from is None:
+        return None
+    where = cfg.init_from
+    if resume is not None:
+        if is_main:
+            print(f"--init-from {where}: not used, the run continues from its checkpoint "
+                  f"{resume[0] / resume[1]}", file=sys.stderr)
+        return None
+    if not where.is_dir():
+        raise UserError(f"--init-from {where}: no such directory")
+    if zero_stage(ds) == 3:
+        raise UserError(f"--init-from {where}: not at ZeRO-3 (its model is built partitioned); "
+                        f"start at --zero 2 or lower, a resume may then switch to ZeRO-3")
+    vocab = int(sources.manifest["vocab_size"])
+    source = read_init_config(where)
+    check_init_config(model_config, source, vocab, where, cfg.model_name)
+    same = check_init_tokenizer(where, sources.items[0])
+    if is_main:
+        print(f"init: weights from {where} ({source.model_type}, {source.vocab_size} tokens; "
+              f"{'the same tokenizer' if same else 'no tokenizer there: vocabulary size checked'}"
+              f"); a new run: step 1, fresh optimizer, LR schedule and data order",
+              file=sys.stderr)
+    return where
+
+
+def check_init_tokenizer(where: Path, source: Source) -> bool:
+    """The --init-from directory's tokenizer must map tokens to the ids the dataset holds (the
+    same vocabulary, token by token). False when it has none to compare (only config.json and
+    weights): the vocabulary size was checked."""
+    from tokenizers import Tokenizer
+
+    mine = source.path / source.manifest["tokenizer"].get("dir", TOKENIZER_DIR) / "tokenizer.json"
+    theirs = where / "tokenizer.json"
+    if not theirs.is_file():
+        return False
+    try:
+        vocab = Tokenizer.from_file(str(theirs)).get_vocab(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 - the Rust parser's errors: a corrupt file
+        raise UserError(f"{theirs}: not a tokenizer ({str(e).splitlines()[0][:80]})") from None
+    ours = Tokenizer.from_file(str(mine)).get_vocab(with_added_tokens=True)
+    if vocab != ours:
+        other = sorted(set(vocab.items()) ^ set(ours.items()), key=lambda kv: kv[1])[:1]
+        raise UserError(f"--init-from {where}: its tokenizer is not the dataset's ({mine}): "
+                        f"token ids differ (e.g. {other[0][0]!r} -> {other[0][1]}); a warm start "
+                        f"needs the data tokenized with the model's tokenizer")
+    return True
 
 
 def check_steps_left(resume: tuple[Path, str] | None, total_steps: int, cfg: TrainConfig) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from app import rundir
 from app.checkpoint import store as checkpoint
+from app.checkpoint.train_state import ONE_DOCUMENT_A_SAMPLE, phase_position
 from app.checkpoint.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
@@ -75,7 +76,9 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     objective, model_config = settle_model(cfg, manifest, device, precision)
     stats, eval_sources = settle_data(cfg, sources, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
-    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs)
+    resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
+    phase = settle_phase(cfg, resume, gbs, stats, world.is_main)
+    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs, phase)
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
@@ -83,7 +86,6 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     for warning in validate_ds_config(ds, ds_path):
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
-    resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
     check_steps_left(resume, total_steps, cfg)
     switch = settle_switch(resume, ds, world, gbs)
     init_from = settle_init(cfg, model_config, sources, resume, ds, world.is_main)
@@ -188,11 +190,69 @@ def settle_data(cfg: TrainConfig, sources: Sources, objective: str,
     return train, tuple(with_eval)
 
 
-def settle_schedule(cfg: TrainConfig, global_batch: int) -> tuple[int, int, Callable]:
-    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens."""
+@dataclass(frozen=True)
+class Phase:
+    """A resume that changed --seq-len: where the run was (docs/recipes.md)."""
+
+    step: int
+    tokens_seen: int
+    old_seq_len: int
+    consumed_samples: int
+    """The checkpoint's stream position, in samples of `old_seq_len` tokens."""
+    position: int
+    """Where the run continues in the stream of this run's samples (phase_position)."""
+
+
+def settle_phase(cfg: TrainConfig, resume: tuple[Path, str] | None, global_batch: int,
+                 stats: list[dict[str, Any]], is_main: bool) -> Phase | None:
+    """The sequence-length phase a resume starts (None when --seq-len is the checkpoint's), and
+    the start-up line saying which samples it starts from."""
+    if resume is None:
+        return None
+    state = checkpoint.read_state(*resume)
+    old = int((state.get("run_config") or {}).get("seq_len") or cfg.seq_len)
+    if old == cfg.seq_len:
+        return None
+    consumed = int(state["consumed_samples"])
+    position = phase_position(consumed, old_seq_len=old, new_seq_len=cfg.seq_len,
+                              packing=cfg.packing, global_batch=global_batch)
+    phase = Phase(int(state["step"]), int(state["tokens_seen"]), old, consumed, position)
+    if is_main:
+        print(phase_line(phase, cfg, global_batch, stats), file=sys.stderr)
+    return phase
+
+
+def phase_line(phase: Phase, cfg: TrainConfig, global_batch: int,
+               stats: list[dict[str, Any]]) -> str:
+    """The start-up line of a sequence-length phase: where the run was, which samples it takes
+    next, and what carries over."""
+    how = ("one document a sample: the same position" if cfg.packing in ONE_DOCUMENT_A_SAMPLE
+           else f"the same {phase.consumed_samples * phase.old_seq_len:,} window tokens into "
+                f"the stream, to a whole global batch")
+    where = ""
+    if len(stats) == 1:
+        n = int(stats[0]["num_samples"])
+        where = (f", epoch {phase.position // n}, entries {phase.position % n:,}.. of its "
+                 f"permutation of {n:,} samples")
+    return (f"phase: --seq-len {phase.old_seq_len} -> {cfg.seq_len} at step {phase.step}: "
+            f"sample {phase.consumed_samples:,} of the {phase.old_seq_len}-token stream maps to "
+            f"sample {phase.position:,} of the {cfg.seq_len}-token stream ({how}); step "
+            f"{phase.step + 1} trains global batch {phase.position // global_batch:,} (samples "
+            f"{phase.position:,}-{phase.position + global_batch - 1:,}{where}); the step count, "
+            f"LR schedule and tokens seen ({phase.tokens_seen:,}) continue")
+
+
+def settle_schedule(cfg: TrainConfig, global_batch: int,
+                    phase: Phase | None = None) -> tuple[int, int, Callable]:
+    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens (after a
+    sequence-length phase: the steps done, then the tokens left at this phase's tokens a
+    step)."""
     total_steps = cfg.max_steps
     if cfg.max_tokens is not None:
-        total_steps = min(total_steps, math.ceil(cfg.max_tokens / (global_batch * cfg.seq_len)))
+        per_step = global_batch * cfg.seq_len
+        total_steps = min(total_steps, math.ceil(cfg.max_tokens / per_step) if phase is None
+                          else phase.step + math.ceil(max(cfg.max_tokens - phase.tokens_seen, 0)
+                                                      / per_step))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
     return total_steps, warmup, schedule_fn(warmup_steps=warmup, total_steps=total_steps,
                                             decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio,
@@ -329,10 +389,16 @@ def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: Wo
     return Switch(saved, now, history, convert)
 
 
+# Sample-layout settings a resume may change: --seq-len starts a phase (settle_phase), the
+# stream position mapped into the new samples (app.checkpoint.train_state.phase_position).
+PHASE_SETTINGS = ("seq_len",)
+
+
 def sample_layout(cfg: TrainConfig, objective: str) -> dict[str, Any]:
-    """The settings that decide which sample a stream position is (checkpoint.SAMPLE_LAYOUT)."""
+    """The settings that decide which sample a stream position is (checkpoint.SAMPLE_LAYOUT),
+    less those a phase may change."""
     values = {**cfg.to_dict(), "objective": objective}
-    return {k: values[k] for k in checkpoint.SAMPLE_LAYOUT}
+    return {k: values[k] for k in checkpoint.SAMPLE_LAYOUT if k not in PHASE_SETTINGS}
 
 
 def check_tokenizer_copy(data: Path, manifest: dict[str, Any]) -> None:

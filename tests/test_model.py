@@ -99,3 +99,26 @@ def test_sparse_mlm_head_gives_the_same_loss_and_gradients(name):
     torch.testing.assert_close(sparse(input_ids=ids).logits, dense(input_ids=ids).logits)
     none = torch.full_like(mlm_labels, -100)
     assert sparse(input_ids=ids, mlm_positions=pos, mlm_labels=none).loss.item() == 0.0
+
+
+def test_mlm_by_architecture_and_long_context():
+    """Every encoder with a masked-LM head trains as MLM (not only model_type "bert"); RoBERTa
+    gives its first pad id + 1 positions to its offset, ModernBERT takes 8,192 tokens."""
+    from transformers import BertConfig, LlamaConfig, ModernBertConfig, RobertaConfig
+
+    assert [objective_of(c()) for c in (BertConfig, RobertaConfig, ModernBertConfig,
+                                        LlamaConfig)] == ["mlm", "mlm", "mlm", "clm"]
+    assert objective_of(BertConfig(is_decoder=True)) == "clm"
+    for pad in (0, 1, 5):
+        rob = build_config("roberta-tiny", vocab_size=300, special_ids={"pad_token_id": pad})
+        assert max_positions(rob) == 1024 and rob.max_position_embeddings == 1024 + pad + 1
+    mb = build_config("modernbert-tiny", vocab_size=300,
+                      special_ids={"pad_token_id": 0, "cls_token_id": 2, "sep_token_id": 3})
+    assert max_positions(mb) == 8192 and mb.layer_types[0] == "full_attention"
+    assert (mb.cls_token_id, mb.sep_token_id, mb.bos_token_id, mb.eos_token_id) == (2, 3, 2, 3)
+    # ids the dataset does not give are not left pointing outside the vocabulary (50,281)
+    bare = build_config("modernbert-tiny", vocab_size=300, special_ids=SPECIAL)
+    assert bare.cls_token_id is None and bare.pad_token_id == 0
+    model = build_model(bare, seed=0)
+    ids = torch.randint(1, 300, (1, 1100))  # past BERT's 512 and RoBERTa's 1,024 positions
+    assert model(input_ids=ids).logits.shape == (1, 1100, 300)

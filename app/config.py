@@ -157,8 +157,9 @@ class TrainConfig:
     decay_shape: str = "1-sqrt"
     """--lr-decay wsd: the decay's shape, 1-sqrt|linear|cosine."""
     init_from: Path | None = None
-    """A new run starts from these weights (an `app export` directory or any Hugging Face model
-    directory of the same architecture and vocabulary; fresh optimizer, schedule, data order)."""
+    """A new run starts from these weights: an `app export` directory, any Hugging Face model
+    directory of the same architecture and tokenizer, or another run directory (its latest
+    checkpoint); fresh optimizer, schedule, data order (docs/recipes.md)."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)

@@ -20,6 +20,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 from transformers.modeling_outputs import MaskedLMOutput
 
 from app.data.masking import IGNORE_INDEX
+from app.rundir import is_run_dir
 from app.runtime.zero3_init import partitioned
 from data_tools.errors import UserError
 
@@ -395,7 +396,10 @@ _GEOMETRY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key
 
 def read_init_config(directory: Path) -> PretrainedConfig:
     """The config of an --init-from directory (a Hugging Face model directory: an `app export`,
-    a downloaded model); UserError when there is none."""
+    a downloaded model; or a run directory of `app train`); UserError when there is none."""
+    if is_run_dir(directory):
+        from app.export import run_model_config  # app.export imports this module
+        return run_model_config(directory)
     if not (directory / "config.json").is_file():
         raise UserError(f"--init-from {directory}: no config.json (expected a Hugging Face model "
                         f"directory, e.g. one written by `app export`)")
@@ -425,17 +429,26 @@ def check_init_config(config: PretrainedConfig, source: PretrainedConfig, vocab_
                         f"tokenizer)")
 
 
-def load_init_weights(model: torch.nn.Module, directory: Path) -> None:
-    """Copy the weights of the Hugging Face model in `directory` into `model` (fp32, in place;
-    checked compatible by check_init_config). The source's vocabulary may lack the run's
-    tensor-core padding rows: those keep their fresh initialisation (never a target)."""
-    auto = AutoModelForMaskedLM if objective_of(model.config) == "mlm" else AutoModelForCausalLM
+def _init_weights(directory: Path, objective: str) -> dict[str, torch.Tensor]:
+    """The weights of an --init-from directory: a run directory's latest checkpoint (through
+    app.export), or a Hugging Face model directory loaded as the objective's model."""
+    if is_run_dir(directory):
+        from app.export import latest_of, run_weights  # app.export imports this module
+        return run_weights(*latest_of(directory))
+    auto = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
     try:
-        source = auto.from_pretrained(directory, dtype=torch.float32).state_dict()
+        return auto.from_pretrained(directory, dtype=torch.float32).state_dict()
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"--init-from {directory}: weights not loadable "
                         f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]})") \
             from None
+
+
+def load_init_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Copy the weights of the Hugging Face model in `directory` into `model` (fp32, in place;
+    checked compatible by check_init_config). The source's vocabulary may lack the run's
+    tensor-core padding rows: those keep their fresh initialisation (never a target)."""
+    source = _init_weights(directory, objective_of(model.config))
     own = model.state_dict()
     missing = [k for k in own if k not in source]
     if missing:

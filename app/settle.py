@@ -303,7 +303,9 @@ def settle_init(cfg: TrainConfig, model_config, sources: Sources, resume: tuple[
     check_init_config(model_config, source, vocab, where, cfg.model_name)
     same = check_init_tokenizer(where, sources.items[0])
     if is_main:
-        print(f"init: weights from {where} ({source.model_type}, {source.vocab_size} tokens; "
+        tag = (f" checkpoint {checkpoint.latest_tag(where / rundir.CHECKPOINTS)}"
+               if rundir.is_run_dir(where) else "")
+        print(f"init: weights from {where}{tag} ({source.model_type}, {source.vocab_size} tokens; "
               f"{'the same tokenizer' if same else 'no tokenizer there: vocabulary size checked'}"
               f"); a new run: step 1, fresh optimizer, LR schedule and data order",
               file=sys.stderr)
@@ -317,7 +319,8 @@ def check_init_tokenizer(where: Path, source: Source) -> bool:
     from tokenizers import Tokenizer
 
     mine = source.path / source.manifest["tokenizer"].get("dir", TOKENIZER_DIR) / "tokenizer.json"
-    theirs = where / "tokenizer.json"
+    theirs = (where / rundir.TOKENIZER_DIR if rundir.is_run_dir(where) else where) \
+        / "tokenizer.json"
     if not theirs.is_file():
         return False
     try:

@@ -444,10 +444,15 @@ def _init_weights(directory: Path, objective: str) -> dict[str, torch.Tensor]:
             from None
 
 
+# The LM head's bias on vocabulary rows an --init-from source lacks: exp(-1e4) is 0 in every
+# precision, so the warm start's loss is the source's over its own vocabulary.
+PADDING_ROW_BIAS = -1e4
+
+
 def load_init_weights(model: torch.nn.Module, directory: Path) -> None:
-    """Copy the weights of the Hugging Face model in `directory` into `model` (fp32, in place;
-    checked compatible by check_init_config). The source's vocabulary may lack the run's
-    tensor-core padding rows: those keep their fresh initialisation (never a target)."""
+    """Copy the weights of the model in `directory` into `model` (fp32, in place; checked
+    compatible by check_init_config). The source's vocabulary may lack the run's tensor-core
+    padding rows (never a target): they get no probability (PADDING_ROW_BIAS)."""
     source = _init_weights(directory, objective_of(model.config))
     own = model.state_dict()
     missing = [k for k in own if k not in source]
@@ -462,6 +467,9 @@ def load_init_weights(model: torch.nn.Module, directory: Path) -> None:
                 tensor.copy_(got)
             elif got.shape[1:] == tensor.shape[1:]:  # the vocabulary's padding rows
                 tensor[:rows].copy_(got[:rows])
+                # no probability on them, as in the source (which has no such rows): zero
+                # vectors, and a head's bias far below every real token's
+                tensor[rows:] = 0.0 if tensor.dim() > 1 else PADDING_ROW_BIAS
             else:
                 raise UserError(f"--init-from {directory}: {name} is {tuple(got.shape)}, the "
                                 f"model's {tuple(tensor.shape)}")

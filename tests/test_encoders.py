@@ -66,11 +66,12 @@ def test_init_from_starts_near_the_exports_loss_and_refuses_a_mismatch(
     vocab = json.loads((mlm_dataset / "dataset.json").read_text())["vocab_size"]
     assert first["step"] == 1 and first["train/loss"] < 0.85 * math.log(vocab)
     assert abs(first["train/loss"] - eval_loss) <= 0.1 * eval_loss, (first, eval_loss)
-    # the run directory itself (its latest checkpoint): the same weights, the same first loss
+    # the run directory itself (its latest checkpoint, with its trained padding rows of the
+    # vocabulary, which the export drops): the same weights, about the same first loss
     check(run_app("train", "--data", mlm_dataset, "--out", tmp_path / "warm2", *TINY,
                   "--init-from", source, "--seed", "8", "--max-steps", "1", "--lr", "1e-5"))
     assert train_rows(tmp_path / "warm2")[0]["train/loss"] == pytest.approx(first["train/loss"],
-                                                                            rel=1e-6)
+                                                                            rel=0.01)
     # another geometry, another tokenizer, ZeRO-3: one line each, nothing trained
     base = ["train", "--data", str(mlm_dataset), *TINY, "--init-from", str(hf), "--max-steps", "1"]
     assert main([*base, "--out", str(tmp_path / "a"), "--model-arg", "num_hidden_layers=3"]) == 2

@@ -314,7 +314,7 @@ def _guards(plan: Plan, world: World, state: TrainState, engine, train_spec,
     rules = anomaly.Rules(policy=cfg.on_anomaly, window=cfg.spike_window, z=cfg.spike_z,
                           rise=cfg.spike_rise, max_rollbacks=cfg.max_rollbacks,
                           cooldown_steps=cfg.cooldown_steps, cooldown_factor=cfg.cooldown_factor)
-    skip = rundir.read_skipped(cfg.out)
+    skip = rundir.read_skipped(cfg.out, since_step=state.phase_step)
     state.consumed_samples = skip_ahead(state.consumed_samples, gbs, skip)
     recovery = Recovery(
         rules=rules, monitor=anomaly.LossMonitor(rules, plan.device.torch_device(world.local_rank)),

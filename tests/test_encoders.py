@@ -134,3 +134,24 @@ def test_a_sequence_length_phase_continues_the_run(mlm_dataset, tmp_path):
     assert [rows[s]["consumed_samples"] for s in (5, 6, 8)] == [20, 16, 24]
     assert [rows[s]["tokens_seen"] for s in (5, 6, 8)] == [640, 640 + 256, 640 + 3 * 256]
     assert json.loads((run / "summary.json").read_text())["tokens_seen"] == 640 + 3 * 256
+
+
+def test_a_loaded_state_starts_a_phase_and_skips_only_its_own_batches(tmp_path):
+    from app.checkpoint.train_state import TrainState
+    from app.rundir import add_skipped, read_skipped
+
+    saved = {"step": 10, "consumed_samples": 80, "tokens_seen": 5120, "global_batch": 8,
+             "run_config": {"seq_len": 64, "packing": "concat"}}
+    state = TrainState(facts={"global_batch": 8, "run_config": {"seq_len": 128,
+                                                                "packing": "concat"}})
+    state.load_state_dict(saved)
+    assert (state.step, state.consumed_samples, state.tokens_seen, state.phase_step) == \
+        (10, 40, 5120, 10)
+    state.advance(8, 128)
+    again = TrainState(facts=state.facts)  # a later resume of phase 2: nothing to map
+    again.load_state_dict({**state.state_dict(), "run_config": state.facts["run_config"]})
+    assert (again.consumed_samples, again.tokens_seen, again.phase_step) == (48, 6144, 10)
+    for step, batch in ((4, 5), (12, 7)):  # batch 5 of phase 1's stream, batch 7 of phase 2's
+        add_skipped(tmp_path, {"step": step, "global_batch": batch, "positions": [],
+                               "reason": "spike"})
+    assert read_skipped(tmp_path) == {5, 7} and read_skipped(tmp_path, since_step=10) == {7}

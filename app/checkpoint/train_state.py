@@ -16,7 +16,7 @@ from app.faults.anomaly import Cooldown
 from app.data.order import skip_ahead
 from data_tools.schema import NonNegativeInt, PositiveInt, Schema
 
-COUNTERS = ("step", "consumed_samples", "tokens_seen", "best_eval_loss")
+COUNTERS = ("step", "consumed_samples", "tokens_seen", "best_eval_loss", "phase_step")
 
 
 @dataclass
@@ -27,6 +27,9 @@ class TrainState:
     """Global samples trained on: where the loader restarts (the whole data state)."""
     tokens_seen: int = 0
     best_eval_loss: float | None = None
+    phase_step: int = 0
+    """The step the run's sequence-length phase began after (0: the first phase): the global
+    batches skipped before it index another stream (rundir.read_skipped)."""
     cooldown: Cooldown = field(default_factory=Cooldown)
     """The LR cool-down after a rollback (app.faults.anomaly): part of the schedule, so it
     resumes."""
@@ -43,13 +46,15 @@ class TrainState:
         when the run changed --seq-len since (a sequence-length phase: `phase_position`)."""
         self.step, self.consumed_samples, self.tokens_seen = (
             int(state[k]) for k in ("step", "consumed_samples", "tokens_seen"))
+        self.best_eval_loss = state.get("best_eval_loss")
+        self.phase_step = int(state.get("phase_step") or 0)
         saved, now = state.get("run_config") or {}, self.facts.get("run_config") or {}
         if saved.get("seq_len") and now.get("seq_len") and saved["seq_len"] != now["seq_len"]:
+            self.phase_step = self.step
             self.consumed_samples = phase_position(
                 self.consumed_samples, old_seq_len=int(saved["seq_len"]),
                 new_seq_len=int(now["seq_len"]), packing=str(now.get("packing")),
                 global_batch=int(self.facts.get("global_batch") or state["global_batch"]))
-        self.best_eval_loss = state.get("best_eval_loss")
         self.cooldown.load_state_dict(state.get("cooldown"))
 
     def advance(self, global_batch: int, seq_len: int, skip: frozenset[int] = frozenset()) -> None:
@@ -93,6 +98,7 @@ class TrainStateFile(Schema):
     consumed_samples: NonNegativeInt
     tokens_seen: NonNegativeInt
     best_eval_loss: float | None = None
+    phase_step: NonNegativeInt = 0
     world_size: PositiveInt
     global_batch: PositiveInt
     dataset_fingerprint: str

@@ -87,7 +87,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
     check_steps_left(resume, total_steps, cfg)
-    switch = settle_switch(resume, ds, world, gbs)
+    switch = settle_switch(resume, ds, world, gbs, phase)
     init_from = settle_init(cfg, model_config, sources, resume, ds, world.is_main)
     if world.is_main:
         print_data(sources, stats, cfg.seq_len, gbs, total_steps)
@@ -363,7 +363,7 @@ class Switch:
 
 
 def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: World,
-                  global_batch: int) -> Switch:
+                  global_batch: int, phase: Phase | None = None) -> Switch:
     """Compare the checkpoint's layout with this run's; say what changes."""
     now = layout_of(ds, world.world_size)
     entry = {"step": 0, **asdict(now)}
@@ -385,8 +385,9 @@ def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: Wo
         print(f"resume: {tag_dir} was written with {saved}; this run is {now} ({how})",
               file=sys.stderr)
     if world.is_main and state["global_batch"] != global_batch:
+        position = state["consumed_samples"] if phase is None else phase.position
         print(f"resume: the global batch was {state['global_batch']} samples and is "
-              f"{global_batch} now: continuing from sample {state['consumed_samples']:,} "
+              f"{global_batch} now: continuing from sample {position:,} "
               f"(step {state['step']}); the step count and LR schedule continue from there",
               file=sys.stderr)
     return Switch(saved, now, history, convert)

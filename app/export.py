@@ -47,11 +47,7 @@ def run(args: argparse.Namespace) -> int:
     print(step_note(run_dir, tag), file=sys.stderr)
     model_cfg = rebuild_config(run_config, run_dir)
     model = build_model(model_cfg)
-    # the tag's own stage: a run that switched stage keeps checkpoints of each
-    # (app/checkpoint/universal.py)
-    stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
-    state_dict = checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
-    load_weights(model, state_dict, where=ckpt_dir / tag)
+    load_weights(model, run_weights(ckpt_dir, tag), where=ckpt_dir / tag)
     vocab = int(run_config["data"].get("vocab_size") or model.config.vocab_size)
     if model.config.vocab_size > vocab:  # the tokenizer's size: drop the tensor-core padding
         model.resize_token_embeddings(vocab, mean_resizing=False)
@@ -72,6 +68,27 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported {tag} of {run_dir} -> {out} ({run_config['model']['preset']}, "
           f"{objective})", file=sys.stderr)
     return 0
+
+
+def run_weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of one checkpoint tag, whatever ZeRO stage wrote it (the tag's own: a
+    run that switched stage keeps checkpoints of each, app/checkpoint/universal.py)."""
+    stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
+    return checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
+
+
+def latest_of(run_dir: Path) -> tuple[Path, str]:
+    """(checkpoint dir, latest tag) of a run directory; UserError when it has none."""
+    ckpt_dir = run_dir / rundir.CHECKPOINTS
+    tag = checkpoint.latest_tag(ckpt_dir)
+    if tag is None:
+        raise UserError(f"{ckpt_dir}: no checkpoint to take weights from")
+    return ckpt_dir, tag
+
+
+def run_model_config(run_dir: Path):
+    """The model config of a run directory (its config.json), as `app export` rebuilds it."""
+    return rebuild_config(rundir.read_run_config(run_dir), run_dir)
 
 
 def last_step(run_dir: Path) -> int | None:

@@ -76,7 +76,8 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
-                   torch_adam=device.torch_adam, hidden_size=model_config.hidden_size)
+                   torch_adam=device.torch_adam, hidden_size=model_config.hidden_size,
+                   grad_comm_dtype=cfg.grad_comm_dtype)
     for warning in validate_ds_config(ds, ds_path):
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)

@@ -86,11 +86,15 @@ def _in_flight_during_backward(step: dict) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage,extra", [(0, []), (1, []), (1, ["--precision", "bf16"])],
+                         ids=["zero0", "zero1", "zero1-bf16"])
 def test_buckets_are_in_flight_while_backward_runs_and_train_the_same_losses(
-        stage, mlm_dataset, tmp_path, monkeypatch):
+        stage, extra, mlm_dataset, tmp_path, monkeypatch):
+    """ZeRO-0, ZeRO-1 (fp32: DeepSpeed's optimizer; bf16: BF16_Optimizer, whose fp32 gradients
+    are sent): the reducer's traces show buckets in flight during backward, and the losses are
+    those of DeepSpeed's own reduction after backward."""
     overlapped = tmp_path / "overlapped"
-    proc = _run(mlm_dataset, overlapped, stage, monkeypatch)
+    proc = _run(mlm_dataset, overlapped, stage, monkeypatch, *extra)
     assert "during backward" in proc.stderr  # the start-up line says how gradients are reduced
     engine = json.loads((overlapped / "config.json").read_text())["engine"]
     assert engine["communication_data_type"] == "torch.float32"
@@ -107,7 +111,7 @@ def test_buckets_are_in_flight_while_backward_runs_and_train_the_same_losses(
             launched = [b for kind, b, _ in step["events"] if kind == "launch"]
             assert launched == list(range(step["buckets"]))  # every bucket, in order
     reference = tmp_path / "deepspeed"
-    _run(mlm_dataset, reference, stage, monkeypatch, overlap=False)
+    _run(mlm_dataset, reference, stage, monkeypatch, *extra, overlap=False)
     ref, got = train_losses(reference), train_losses(overlapped)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in ref:

@@ -279,7 +279,8 @@ def _differs(given: Any, flags: Any) -> bool:
 
 def _fill_precision(ds: dict[str, Any], precision: str) -> None:
     """Enable the run's precision; bf16 accumulates gradients in fp32 where DeepSpeed allows it
-    (ZeRO 1-3; at ZeRO-0 it refuses the mix and accumulates and all-reduces them in bf16)."""
+    (ZeRO 1-3; at ZeRO-0 it refuses the mix and accumulates them in bf16), at ZeRO-1 during
+    backward (`immediate_grad_update`)."""
     for name in ("bf16", "fp16"):
         section = ds.get(name)
         if isinstance(section, dict) and section.get("enabled") == "auto":
@@ -288,6 +289,10 @@ def _fill_precision(ds: dict[str, Any], precision: str) -> None:
         ds[precision] = {"enabled": True}  # a file without the section runs what we report
     if precision == "bf16" and zero_stage(ds) >= 1 and "data_types" not in ds:
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    if precision == "bf16" and zero_stage(ds) == 1 and isinstance(ds.get("bf16"), dict):
+        # BF16_Optimizer adds each bf16 gradient to its fp32 buffer in the gradient's hook,
+        # during backward, so the app's reducer can send it from there (app.runtime.overlap)
+        ds["bf16"].setdefault("immediate_grad_update", True)
 
 
 def _fill_comm_dtype(ds: dict[str, Any], precision: str, flag: str | None, where: Path) -> None:

@@ -57,27 +57,42 @@ def overlap_reduction(engine) -> str:
     zero1 = (stage == 1 and isinstance(opt, DeepSpeedZeroOptimizer)
              and not opt.partition_gradients and not opt.overlap_comm and not opt.cpu_offload
              and not getattr(opt, "use_grad_accum_attribute", True))
-    if ((stage == 0 and not hasattr(opt, "get_grads_for_reduction")) or zero1) \
+    bf16 = isinstance(opt, BF16_Optimizer) and opt.immediate_grad_update
+    if ((stage == 0 and not hasattr(opt, "get_grads_for_reduction")) or zero1 or bf16) \
             and not switched_off():
         reducer = GradReducer(engine.module.parameters(), group=engine.seq_data_parallel_group,
                               world_size=engine.dp_world_size,
                               comm_dtype=engine.communication_data_type,
                               is_boundary=engine.is_gradient_accumulation_boundary,
-                              average=not zero1, keep_missing=not zero1)
+                              average=not zero1, keep_missing=not (zero1 or bf16),
+                              grad_of=_fp32_grads(opt) if bf16 else None)
         engine.app_grad_reducer = reducer
         engine.allreduce_gradients = _reduce_at_boundary(engine, reducer, zero1)
         if zero1:
             local_zero1_reduction(opt)
             return f"{reducer.describe()}; ZeRO-1 then keeps its partition (its own " \
                    f"collective skipped); parameters all-gathered after the step"
+        if bf16:
+            return f"{reducer.describe()} from BF16_Optimizer's fp32 accumulation; " \
+                   f"parameters all-gathered after the step"
         return reducer.describe()
     if isinstance(opt, BF16_Optimizer):
         return f"all-reduce in {dtype} after backward, then an all-gather of the parameters " \
-               f"(not overlapped: BF16_Optimizer accumulates in fp32 after backward)"
+               f"(not overlapped: BF16_Optimizer accumulates in fp32 after backward without " \
+               f"bf16.immediate_grad_update)"
     if stage == 2:
         return f"ZeRO-2's reduce buckets in {dtype} every micro step (overlapped on a GPU side " \
                f"stream; on CPU each collective blocks backward)"
     return f"DeepSpeed's ZeRO-{stage} reduction in {dtype}"
+
+
+def _fp32_grads(opt) -> Callable:
+    """A bf16 parameter's gradient as BF16_Optimizer keeps it: its view of the fp32
+    accumulation buffer (with `immediate_grad_update`, its hook adds each micro step's bf16
+    gradient there during backward, before the reducer's hook reads it)."""
+    views = {id(lp): opt.fp32_groups_gradients[i][j]
+             for i, group in enumerate(opt.bf16_groups) for j, lp in enumerate(group)}
+    return lambda p: views.get(id(p))
 
 
 def _reduce_at_boundary(engine, reducer: GradReducer, then_deepspeed: bool) -> Callable:

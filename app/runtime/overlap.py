@@ -64,15 +64,18 @@ class GradReducer:
     `average`: divide by the world size before the sum (DDP's pre-division: the sum cannot
     overflow a 16-bit type), else deliver the sum (where DeepSpeed's own code divides after).
     `keep_missing`: a parameter without a gradient gets the reduced zeros as its gradient (as
-    DeepSpeed's ZeRO-0 does), else stays without one.
+    DeepSpeed's ZeRO-0 does), else stays without one. `grad_of`: where a parameter's gradient
+    is (default `param.grad`; DeepSpeed's BF16_Optimizer keeps it in an fp32 buffer).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, group, world_size: int,
                  comm_dtype: torch.dtype, is_boundary: Callable[[], bool], average: bool = True,
-                 keep_missing: bool = True, bucket_size: int | None = None):
+                 keep_missing: bool = True, bucket_size: int | None = None,
+                 grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None):
         params = [p for p in params if p.requires_grad and p.numel() > 0]
         self.group, self.world_size, self.comm_dtype = group, world_size, comm_dtype
         self.is_boundary, self.average, self.keep_missing = is_boundary, average, keep_missing
+        self.grad_of = grad_of or (lambda p: p.grad)
         self.bucket_size = bucket_size or bucket_elements(sum(p.numel() for p in params))
         self.buckets = buckets_in_backward_order(params, self.bucket_size)
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
@@ -100,10 +103,11 @@ class GradReducer:
 
     def _ready(self, param: torch.nn.Parameter) -> None:
         """A gradient is final for this backward: into its bucket; launch what is complete."""
-        if not self.is_boundary() or param.grad is None:
+        grad = self.grad_of(param) if self.is_boundary() else None
+        if grad is None:
             return
         b, _ = self.where[id(param)]
-        self._fill(b, param, param.grad)
+        self._fill(b, param, grad)
         if self.trace_path:  # which launched buckets are still in flight as backward goes on
             now = time.perf_counter()
             self.events.append(("ready", b, now))
@@ -142,7 +146,7 @@ class GradReducer:
         for b, bucket in enumerate(self.buckets):
             for p in bucket:
                 if id(p) not in self.filled[b]:
-                    self._fill(b, p, p.grad)
+                    self._fill(b, p, self.grad_of(p))
         self._launch_ready()
         for b, work in enumerate(self.works):
             work.wait()
@@ -155,8 +159,9 @@ class GradReducer:
         for p in self.buckets[b]:
             _, offset = self.where[id(p)]
             reduced = self.flats[b].narrow(0, offset, p.numel()).view_as(p)
-            if p.grad is not None:
-                p.grad.copy_(reduced)
+            grad = self.grad_of(p)
+            if grad is not None:
+                grad.copy_(reduced.view_as(grad))
             elif self.keep_missing:
                 p.grad = reduced.to(p.dtype, copy=True)
 

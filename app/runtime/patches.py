@@ -14,13 +14,17 @@ import torch
 
 
 def skip_lone_allreduce(engine) -> bool:
-    """ZeRO-0 in a world of one: no gradient all-reduce. DeepSpeed still flattens every gradient
-    into one buffer, multiplies it by 1/1, "all-reduces" it alone and copies it back: an
-    identity that cost GPT-2 4 x 256 (5 M parameters, CPU) ~3% of its step (docs/benchmarks.md,
-    "bench"). Returns whether it was skipped. ZeRO 1-3 keep their own reduction (it also moves
-    gradients into their partitions)."""
-    if engine.zero_optimization_stage() != 0 or engine.dp_world_size != 1 \
-            or getattr(engine, "has_moe_layers", False):
+    """ZeRO-0 (and BF16_Optimizer, ZeRO-1 in bf16) in a world of one: no gradient all-reduce.
+    DeepSpeed still flattens every gradient into one buffer, multiplies it by 1/1, "all-reduces"
+    it alone and copies it back: an identity that cost GPT-2 4 x 256 (5 M parameters, CPU) ~3%
+    of its step (docs/benchmarks.md, "bench"); BF16_Optimizer adds its fp32 gradients to its
+    buffer before that (engine `_backward_epilogue`), so nothing is lost by skipping it. Returns
+    whether it was skipped. ZeRO 1-3 keep their own reduction (it also moves gradients into
+    their partitions)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    stage0 = engine.zero_optimization_stage() == 0 or isinstance(engine.optimizer, BF16_Optimizer)
+    if not stage0 or engine.dp_world_size != 1 or getattr(engine, "has_moe_layers", False):
         return False
     engine.enable_backward_allreduce = False
     return True

@@ -127,9 +127,9 @@ def settle_deepspeed(cfg: TrainConfig, device: Device,
             ds_path = zero_config_path(1)
             raw_ds = load_ds_config(ds_path)
         elif is_main:
-            print("warning: bf16 at ZeRO-0 accumulates and all-reduces gradients in bf16; "
-                  "DeepSpeed allows fp32 accumulation from ZeRO-1 on (--zero 1: the same "
-                  "communication volume, optimizer states sharded)", file=sys.stderr)
+            print("warning: bf16 at ZeRO-0 accumulates gradients in bf16; DeepSpeed allows "
+                  "fp32 accumulation from ZeRO-1 on (--zero 1: optimizer states sharded, the "
+                  "parameters all-gathered after each step)", file=sys.stderr)
     return ds_path, raw_ds, precision
 
 

@@ -81,9 +81,13 @@ def overlap_reduction(engine) -> str:
                f"(not overlapped: BF16_Optimizer accumulates in fp32 after backward without " \
                f"bf16.immediate_grad_update)"
     if stage == 2:
-        return f"ZeRO-2's reduce buckets in {dtype} every micro step (overlapped on a GPU side " \
-               f"stream; on CPU each collective blocks backward)"
-    return f"DeepSpeed's ZeRO-{stage} reduction in {dtype}"
+        return f"ZeRO-2's reduce buckets in {dtype} at each of the " \
+               f"{engine.gradient_accumulation_steps()} micro step(s) (overlapped on a GPU side " \
+               f"stream, not on CPU, where each collective blocks backward; ZeRO 0-1 reduce " \
+               f"once a step, during backward)"
+    if stage < 2:
+        return f"DeepSpeed's all-reduce in {dtype} after backward (not overlapped)"
+    return f"DeepSpeed's ZeRO-{stage} reduce-scatter in {dtype} during backward"
 
 
 def _fp32_grads(opt) -> Callable:

@@ -133,3 +133,53 @@ def test_bf16_communication_reduces_close_to_fp32(mlm_dataset, tmp_path, monkeyp
     assert got[1] == ref[1]  # the first loss is computed before any update
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-2), step
+
+
+SHARED_TWICE = r"""
+import os, sys, torch, torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+from app.runtime.overlap import GradReducer
+rank = int(sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+torch.manual_seed(0)
+shared, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+params = [*shared.parameters(), *head.parameters()]
+x = torch.randn(4, 8, requires_grad=True) * (rank + 1)
+def loss():  # `shared` in two reentrant checkpointed regions: its hook fires twice
+    h = checkpoint(shared, x, use_reentrant=True)
+    return head(checkpoint(shared, h, use_reentrant=True)).pow(2).sum()
+loss().backward(retain_graph=True)
+want = [p.grad.clone() for p in params]
+for w in want:
+    dist.all_reduce(w)
+    w /= 2
+for p in params:
+    p.grad = None
+reducer = GradReducer(params, group=None, world_size=2, comm_dtype=torch.float32,
+                      is_boundary=lambda: True, bucket_size=8 * 8 + 8)
+loss().backward()
+assert reducer.stale == {0, 1}, reducer.stale  # both buckets got a gradient after being sent
+reducer.finish()
+assert all(torch.allclose(p.grad, w, rtol=1e-6, atol=0) for p, w in zip(params, want)), \
+    "a bucket was sent before its last accumulation"
+print("ok")
+"""
+
+
+def test_a_gradient_accumulated_twice_in_one_backward_is_sent_whole():
+    """A parameter in two checkpointed regions gets its gradient in two accumulations: its
+    bucket, sent after the first, is sent again whole (two real ranks over gloo)."""
+    import subprocess
+    import sys
+
+    from app.runtime.dist import free_port
+    from tests.helpers import REPO, clean_env
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED_TWICE, port, str(rank)], cwd=REPO,
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "ok" in out, err[-2000:]

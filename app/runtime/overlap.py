@@ -93,6 +93,7 @@ class GradReducer:
     def _reset(self) -> None:
         self.filled: list[set[int]] = [set() for _ in self.buckets]
         self.works: list = []
+        self.stale: set[int] = set()
         self.events: list[tuple[str, int, float]] = []
 
     def describe(self) -> str:
@@ -107,6 +108,9 @@ class GradReducer:
         if grad is None:
             return
         b, _ = self.where[id(param)]
+        if b < len(self.works):  # a second accumulation into an already sent gradient (a
+            self.stale.add(b)    # parameter used in two checkpointed regions): resent at finish
+            return
         self._fill(b, param, grad)
         if self.trace_path:  # which launched buckets are still in flight as backward goes on
             now = time.perf_counter()
@@ -151,6 +155,10 @@ class GradReducer:
         for b, work in enumerate(self.works):
             work.wait()
             self.events.append(("done", b, time.perf_counter()))
+            if b in self.stale:  # every rank has the same graph, so the same stale buckets
+                for p in self.buckets[b]:
+                    self._fill(b, p, self.grad_of(p))
+                dist.all_reduce(self.flats[b], group=self.group)
             self._copy_back(b)
         self._write_trace()
         self._reset()

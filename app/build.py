@@ -177,6 +177,7 @@ def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
           f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
           f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
           file=sys.stderr)
+    print(f"gradients: {engine_facts(engine)['grad_reduction']}", file=sys.stderr)
     print(telemetry.banner(shape, nodes=run_config["environment"]["nodes"],
                            total_steps=plan.total_steps, device=plan.device.model),
           file=sys.stderr)

@@ -24,6 +24,7 @@ from data_tools.errors import UserError
 RESUME_MODES = ("auto", "never")
 WANDB_MODES = ("online", "offline", "disabled")
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
+GRAD_COMM_DTYPES = ("fp32", "bf16")
 
 
 @dataclass
@@ -160,6 +161,10 @@ class TrainConfig:
     """A new run starts from these weights: an `app export` directory, any Hugging Face model
     directory of the same architecture and tokenizer, or another run directory (its latest
     checkpoint); fresh optimizer, schedule, data order (docs/recipes.md)."""
+    # Gradient communication (docs/gpu.md)
+    grad_comm_dtype: str | None = None
+    """fp32|bf16: the dtype gradients are summed in across ranks (DeepSpeed's
+    communication_data_type; default: the ds_config's, else fp32; docs/gpu.md says why)."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -213,6 +218,9 @@ class TrainConfig:
             raise UserError(f"--wandb {self.wandb!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.attn not in ATTENTION:
             raise UserError(f"--attn {self.attn!r}: expected one of {', '.join(ATTENTION)}")
+        if self.grad_comm_dtype not in (None, *GRAD_COMM_DTYPES):
+            raise UserError(f"--grad-comm-dtype {self.grad_comm_dtype!r}: expected one of "
+                            f"{', '.join(GRAD_COMM_DTYPES)}")
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -315,6 +323,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("decay_fraction", type=finite_float, metavar="F")
     add("decay_shape", choices=DECAY_SHAPES)
     add("init_from", type=Path, metavar="DIR")
+    add("grad_comm_dtype", choices=GRAD_COMM_DTYPES)
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in
     # the environment says the same, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

@@ -82,7 +82,8 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
-                   torch_adam=device.torch_adam, hidden_size=model_config.hidden_size)
+                   torch_adam=device.torch_adam, hidden_size=model_config.hidden_size,
+                   grad_comm_dtype=cfg.grad_comm_dtype)
     for warning in validate_ds_config(ds, ds_path):
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
@@ -132,9 +133,9 @@ def settle_deepspeed(cfg: TrainConfig, device: Device,
             ds_path = zero_config_path(1)
             raw_ds = load_ds_config(ds_path)
         elif is_main:
-            print("warning: bf16 at ZeRO-0 accumulates and all-reduces gradients in bf16; "
-                  "DeepSpeed allows fp32 accumulation from ZeRO-1 on (--zero 1: the same "
-                  "communication volume, optimizer states sharded)", file=sys.stderr)
+            print("warning: bf16 at ZeRO-0 accumulates gradients in bf16; DeepSpeed allows "
+                  "fp32 accumulation from ZeRO-1 on (--zero 1: optimizer states sharded, the "
+                  "parameters all-gathered after each step)", file=sys.stderr)
     return ds_path, raw_ds, precision
 
 

@@ -30,6 +30,7 @@ import resource
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -52,6 +53,7 @@ SWEEP, RESULTS, RUNS, LOCK = "sweep.json", "results", "runs", ".bench.lock"
 TABLES = ("results.csv", "results.md")
 TAG = "DSPRETRAIN_BENCH"  # in the environment of every process a configuration starts
 LAUNCH = Path(app.__file__).resolve().parent.parent / "launch.sh"
+NETSIM = LAUNCH.parent / "bench" / "netsim.py"  # the simulated cluster a `rate` key runs on
 # app train flags bench sets for every run (or a sweep key does): not accepted after `--`
 OWN_FLAGS = {"--data", "--out", "--model", "--zero", "--ds-config", "--micro-batch", "--seq-len",
              "--num-workers", "--max-steps", "--max-tokens", "--stop-at-step", "--log-every",
@@ -79,7 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2", action=_Once,
                    help=f"the values to sweep; keys: {', '.join(sweep.KEYS)} (defaults: world=1 "
                         f"zero=0 model=bert-tiny micro_batch=32, seq_len as app train; threads "
-                        f"and workers per rank: what the most ranks per node leave each rank)")
+                        f"and workers per rank: what the most ranks per node leave each rank; "
+                        f"rate=200mbit,1gbit runs on the simulated cluster, bench/netsim.py, "
+                        f"one rank a node unless nodes=N; root only)")
     p.add_argument("--steps", type=int, default=20, metavar="N",
                    help="optimizer steps a configuration runs; the first log interval (a tenth "
                         "of them) is warm-up, left out of the figures (default 20)")
@@ -218,7 +222,7 @@ def run_config(c: Config, args: argparse.Namespace, identity: dict[str, Any],
     shutil.rmtree(run_dir, ignore_errors=True)  # what an interrupted attempt left
     port = free_port()
     hostfile = Path(identity["hostfile"]) if identity["hostfile"] else None
-    cmd = ["bash", str(LAUNCH), *c.launch_flags(hostfile, port), "--",
+    cmd = [*starter(c, hostfile, port, args.timeout), "--",
            "--data", identity["data"], "--out", str(run_dir.resolve()), *c.train_flags(),
            "--max-steps", str(args.steps), "--log-every", str(log_every(args.steps)),
            "--eval-samples", "1", "--save-every", "0", "--wandb", "disabled",
@@ -232,6 +236,8 @@ def run_config(c: Config, args: argparse.Namespace, identity: dict[str, Any],
                            watch_rss=False, env=env, poll=0.2)
     finally:
         kill_tagged(TAG, str(out.resolve()))  # ranks in the runner's own process group
+        if c.rate:  # the namespaces of a netsim that was killed (it removes them on any stop)
+            subprocess.run([sys.executable, str(NETSIM), "clean"], capture_output=True)
         if c.procs_per_node > 1:
             remove_shm_buffers(port)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # of no use, and large
@@ -247,6 +253,19 @@ def run_config(c: Config, args: argparse.Namespace, identity: dict[str, Any],
     except (ValueError, UserError) as e:
         return {**record, "status": "failed", "error": str(e)}
     return {**record, "status": "ok", "error": None, "figures": figures}
+
+
+def starter(c: Config, hostfile: Path | None, port: int, timeout: float) -> list[str]:
+    """What starts the configuration's ranks: launch.sh on this box or the hostfile's nodes, or
+    the simulated cluster (bench/netsim.py run, which starts launch.sh --no-ssh in each node)."""
+    if not c.rate:
+        return ["bash", str(LAUNCH), *c.launch_flags(hostfile, port)]
+    if not NETSIM.is_file():
+        raise UserError(f"--sweep rate=...: {NETSIM} is missing (the simulated cluster comes "
+                        f"with the project's checkout)")
+    return [sys.executable, str(NETSIM), "run", "--nodes", str(c.nodes), "--procs-per-node",
+            str(c.procs_per_node), "--rate", c.rate, "--threads", str(c.threads),
+            "--timeout", str(timeout)]
 
 
 class OtherLoad:

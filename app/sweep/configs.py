@@ -7,6 +7,10 @@ loader workers that the configuration with the most ranks per node can give each
 node's cores shared by its ranks, `app.data.loader.default_num_workers`). A world of one is then not
 measured with the whole machine, and the scaling efficiency compares like with like: 2 ranks x 1
 thread against 1 rank x 1 thread on a 2-core box. `threads=` and `workers=` override.
+
+`rate=` runs the configurations on the simulated cluster (bench/netsim.py: network namespaces
+joined by links shaped to that rate, launch.sh --no-ssh in each), one rank a node unless
+`nodes=` says how many nodes the ranks spread over; the box's cores are split between the nodes.
 """
 from __future__ import annotations
 
@@ -36,6 +40,13 @@ def _zero(text: str) -> int:
     return int(text)
 
 
+def _rate(text: str) -> str:
+    text = text.strip().lower()
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?(kbit|mbit|gbit)|none", text):
+        raise ValueError("expected a link rate such as 100mbit, 2.5gbit, or none (unshaped)")
+    return text
+
+
 def _model(text: str) -> str:
     if text not in PRESETS:
         raise ValueError(f"unknown preset (choose from {', '.join(PRESETS)})")
@@ -45,7 +56,8 @@ def _model(text: str) -> str:
 # key -> how one value is read; the order is the order of the results' columns
 KEYS: dict[str, Callable[[str], Any]] = {
     "world": _int(1), "zero": _zero, "model": _model, "micro_batch": _int(1),
-    "seq_len": _int(1), "workers": _int(0), "threads": _int(1)}
+    "seq_len": _int(1), "workers": _int(0), "threads": _int(1), "rate": _rate,
+    "nodes": _int(1)}
 # A micro batch of 32, twice app train's: each step's fixed data-parallel cost (the gradient
 # all-reduce, waiting for the slower rank; ~20 ms for bert-tiny on 2 CPU ranks) is then ~5% of a
 # bert-tiny step, not ~13%, so the sweep measures scaling where compute dominates, as the paper's
@@ -94,18 +106,21 @@ class Config:
     nodes: int
     """Nodes the ranks span (1 without a hostfile)."""
     procs_per_node: int
+    rate: str | None = None
+    """The simulated cluster's link rate (bench/netsim.py); None: this box or the hostfile's."""
 
     @property
     def id(self) -> str:
         """A name for its files, stable across runs of the same sweep."""
+        sim = f"-nodes{self.nodes}-rate{self.rate}" if self.rate else ""
         return (f"{self.model}-zero{self.zero}-world{self.world}-mb{self.micro_batch}-"
-                f"seq{self.seq_len}-workers{self.workers}-threads{self.threads}")
+                f"seq{self.seq_len}-workers{self.workers}-threads{self.threads}{sim}")
 
     @property
     def group(self) -> tuple:
         """Everything but the world size: the configurations whose scaling is compared."""
         return (self.model, self.zero, self.micro_batch, self.seq_len, self.workers,
-                self.threads)
+                self.threads, self.rate)
 
     def label(self, varying: frozenset[str] = frozenset(KEYS)) -> str:
         return " ".join(f"{k}={getattr(self, k)}" for k in KEYS if k in varying)
@@ -143,22 +158,49 @@ def placement(world: int, slots: list[int] | None) -> tuple[int, int]:
     return nodes, per_node
 
 
+def simulated_placement(world: int, nodes: int | None) -> tuple[int, int]:
+    """(nodes, ranks per node) on the simulated cluster: one rank a node, or the ranks spread
+    evenly over `nodes` nodes (fewer for a smaller world)."""
+    n = min(nodes or world, world)
+    if world % n:
+        raise UserError(f"--sweep world={world} nodes={nodes}: {world} ranks do not spread "
+                        f"evenly over {n} nodes")
+    return n, world // n
+
+
+def _places(v: dict[str, list[Any]], slots: list[int] | None) -> dict[tuple, tuple[int, int]]:
+    """(world, nodes key) -> (nodes, ranks per node)."""
+    if "nodes" in v and "rate" not in v:
+        raise UserError("--sweep nodes=...: is the simulated cluster's, with rate=... (real "
+                        "nodes come from --hostfile)")
+    if "rate" in v:
+        if slots:
+            raise UserError("--sweep rate=...: runs on the simulated cluster of this box "
+                            "(bench/netsim.py); leave --hostfile out")
+        return {(w, n): simulated_placement(w, n) for w in v["world"]
+                for n in v.get("nodes", [None])}
+    return {(w, None): placement(w, slots) for w in v["world"]}
+
+
 def expand(values: dict[str, list[Any]], *, slots: list[int] | None, cores: int,
            env_threads: int | None, default_workers: Callable[[int], int]) -> list[Config]:
     """The cartesian product, each group's world sizes in a row, smallest first (runs compared
-    with each other run close in time, under the same load)."""
+    with each other run close in time, under the same load). On the simulated cluster the
+    nodes share the box's cores, so every rank of a world shares them as on one node."""
     v = {**DEFAULTS, **values}
-    places = {w: placement(w, slots) for w in v["world"]}
-    most_local = max(ppn for _, ppn in places.values())
+    places = _places(v, slots)
+    most_local = max(n * ppn if "rate" in v else ppn for n, ppn in places.values())
     threads = v.get("threads") or [env_threads or max(1, cores // most_local)]
     workers = v.get("workers") or [default_workers(most_local)]
     out = []
-    for model, zero, mb, seq, wk, th in itertools.product(
-            v["model"], v["zero"], v["micro_batch"], v["seq_len"], workers, threads):
+    for model, zero, mb, seq, wk, th, rate, node_key in itertools.product(
+            v["model"], v["zero"], v["micro_batch"], v["seq_len"], workers, threads,
+            v.get("rate", [None]), v.get("nodes", [None])):
         for world in sorted(v["world"]):
-            nodes, ppn = places[world]
+            nodes, ppn = places[(world, node_key)]
             out.append(Config(world=world, zero=zero, model=model, micro_batch=mb, seq_len=seq,
-                              workers=wk, threads=th, nodes=nodes, procs_per_node=ppn))
+                              workers=wk, threads=th, nodes=nodes, procs_per_node=ppn,
+                              rate=rate))
     return out
 
 

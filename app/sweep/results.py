@@ -18,8 +18,8 @@ from typing import Any, Iterable
 from app import rundir
 from app.sweep.configs import KEYS, Config
 
-COLUMNS = ("world_size", "nodes", "procs_per_node", "zero", "model", "micro_batch", "seq_len",
-           "workers", "threads", "status", "tokens_per_sec", "tokens_per_sec_per_device",
+COLUMNS = ("world_size", "nodes", "procs_per_node", "rate", "zero", "model", "micro_batch",
+           "seq_len", "workers", "threads", "status", "tokens_per_sec", "tokens_per_sec_per_device",
            "step_time_ms", "step_time_ms_min", "step_time_ms_max", "step_time_ms_slowest_rank",
            "data_wait_pct", "data_wait_pct_max", "mfu", "tflops_per_device", "peak_mem_gb",
            "model_state_gb", "scaling_efficiency", "steps_measured", "seconds",
@@ -71,7 +71,8 @@ def rows(results: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for res in results:
         c = Config(**res["config"])
-        row = {"world_size": c.world, **{k: getattr(c, k) for k in KEYS if k != "world"},
+        row = {"world_size": c.world,
+               **{k: getattr(c, k) for k in KEYS if k not in ("world", "nodes")},
                "nodes": c.nodes, "procs_per_node": c.procs_per_node, "status": res["status"],
                "error": res.get("error"), "seconds": res.get("seconds"),
                "other_load_cores": res.get("other_load_cores"),
@@ -107,7 +108,8 @@ def csv_text(table: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-MD_COLUMNS = (("world_size", "world"), ("nodes", "nodes"), ("zero", "ZeRO"), ("model", "model"),
+MD_COLUMNS = (("world_size", "world"), ("nodes", "nodes"), ("rate", "link"), ("zero", "ZeRO"),
+              ("model", "model"),
               ("micro_batch", "micro batch"), ("seq_len", "seq"), ("threads", "threads"),
               ("workers", "workers"), ("status", "status"), ("tokens_per_sec", "tokens/s"),
               ("tokens_per_sec_per_device", "tokens/s/device"),

@@ -1,0 +1,226 @@
+"""bench/netsim.py, the simulated cluster: nodes as network namespaces on shaped links, app train
+across them through the real launch.sh --no-ssh (gloo over the veths), the same losses as the
+same ranks on one node, links that are really shaped, and nothing left behind, also when the tool
+is stopped or killed mid-run. The cluster tests need root, `ip` and `tc` (CI runs as root;
+tests/run.sh installs iproute2); the unit tests of its parsing and of the sweep's `rate` key
+need neither."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.sweep import configs as sweep
+from data_tools.errors import UserError
+from tests.helpers import REPO, clean_env, train_losses
+
+NETSIM = REPO / "bench" / "netsim.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("netsim", NETSIM)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+netsim = _load()
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "the simulated cluster needs root (network namespaces, tc)"
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    for tool in ("ip", "tc", "taskset"):
+        if not shutil.which(tool, path=path):
+            return f"the simulated cluster needs `{tool}` (iproute2, util-linux)"
+    return None
+
+
+needs_cluster = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+TRAIN = ["--model", "bert-tiny", "--seq-len", "32", "--micro-batch", "2", "--log-every", "1",
+         "--eval-samples", "4", "--wandb", "disabled", "--num-workers", "0", "--dropout", "0",
+         "--save-every", "0"]
+
+
+def run_netsim(*args, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(NETSIM), *map(str, args)], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def namespaces_of(pid: int) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines()
+            if line.startswith(f"{netsim.PREFIX}{pid}-")]
+
+
+def host_links() -> set[str]:
+    """The host's own interfaces: netsim adds none (its links live in its namespaces)."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return {line.split(":")[1].strip() for line in out.splitlines()}
+
+
+def processes_naming(text: str) -> list[int]:
+    """Processes whose command line holds `text` (a run directory of this test)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text.encode() in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def train_on(data: Path, out: Path, nodes: int, ppn: int, rate: str, steps: int,
+             *extra: str) -> subprocess.CompletedProcess:
+    return run_netsim("run", "--nodes", nodes, "--procs-per-node", ppn, "--rate", rate, *extra,
+                      "--", "--data", data, "--out", out, "--max-steps", steps, *TRAIN)
+
+
+def same_losses(a: Path, b: Path) -> None:
+    la, lb = train_losses(a), train_losses(b)
+    assert la and la.keys() == lb.keys()
+    for step in la:
+        assert abs(la[step] - lb[step]) <= 1e-5 * max(1.0, abs(la[step])), (step, la, lb)
+
+
+# -- without a cluster ---------------------------------------------------------------------------
+
+def test_rates_and_delays_read_as_tc_takes_them():
+    assert netsim.parse_rate("200mbit") == 200_000_000
+    assert netsim.parse_rate("2.5Gbit") == 2_500_000_000
+    assert netsim.parse_rate("none") is None
+    assert netsim.parse_delay("200us") == pytest.approx(0.2)
+    assert netsim.parse_delay("1.5ms") == 1.5
+    assert netsim.rate_text(152_000_000) == "152mbit"
+    for bad in ("fast", "200", "-1mbit", "0mbit"):
+        with pytest.raises(UserError, match="rate"):
+            netsim.parse_rate(bad)
+
+
+def test_the_plans_efficiency_is_read_per_stage_wherever_it_sits():
+    by_key = {"stages": {"zero1": {"scaling": [{"nodes": 1, "efficiency": 1.0},
+                                               {"nodes": 2, "efficiency": 0.7}]}}}
+    by_field = {"stages": [{"zero": 2, "scaling": [{"nodes": 2, "efficiency": 0.6}]}]}
+    assert netsim.stage_efficiency(by_key) == {"zero1": 0.7}
+    assert netsim.stage_efficiency(by_field) == {"zero2": 0.6}
+    assert netsim.stage_efficiency({"scaling": []}) == {}
+
+
+def test_a_sweep_rate_runs_each_world_on_the_simulated_cluster():
+    def expand(items, slots=None):
+        return sweep.expand(sweep.parse(items), slots=slots, cores=2, env_threads=None,
+                            default_workers=lambda n: 0)
+    one, two = expand(["world=1,2", "rate=200mbit"])
+    assert (one.nodes, one.procs_per_node, two.nodes, two.procs_per_node) == (1, 1, 2, 1)
+    assert one.threads == two.threads == 1  # the nodes share the box's 2 cores
+    assert two.id.endswith("-nodes2-rate200mbit") and one.group == two.group
+    four = expand(["world=4", "rate=1gbit", "nodes=2"])[0]
+    assert (four.nodes, four.procs_per_node) == (2, 2)
+    plain = expand(["world=2"])[0]  # without a rate: as before, same id
+    assert plain.rate is None and plain.id == ("bert-tiny-zero0-world2-mb32-seq128-workers0-"
+                                               "threads1")
+    with pytest.raises(UserError, match="rate=..."):
+        expand(["world=2", "nodes=2"])
+    with pytest.raises(UserError, match="hostfile"):
+        expand(["world=2", "rate=1gbit"], slots=[1, 1])
+    with pytest.raises(UserError, match="link rate"):
+        sweep.parse(["rate=fast"])
+
+
+# -- on a cluster --------------------------------------------------------------------------------
+
+@needs_cluster
+@pytest.mark.slow
+def test_two_shaped_nodes_train_as_two_ranks_on_one_node_and_leave_nothing(mlm_dataset,
+                                                                           tmp_path):
+    links = host_links()
+    proc = train_on(mlm_dataset, tmp_path / "net", 2, 1, "100mbit", 4, "--show-qdiscs")
+    shown = ok(proc)
+    assert shown.count("qdisc htb 1: root") == 4, shown  # both ends of both links
+    assert "2 rank(s) on 2 node(s)" in proc.stdout + proc.stderr
+    ok(train_on(mlm_dataset, tmp_path / "local", 1, 2, "none", 4))
+    same_losses(tmp_path / "net", tmp_path / "local")
+    assert host_links() == links
+    assert leftovers() == []
+
+
+def leftovers() -> list[str]:
+    """netsim namespaces whose tool is gone (other runs' live clusters are theirs)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    names = [line.split()[0] for line in out.splitlines()]
+    return [n for n in names if netsim.NAME.match(n)
+            and not netsim.tool_alive(int(netsim.NAME.match(n).group(1)))]
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_the_links_are_shaped_to_the_rate(mlm_dataset, tmp_path):
+    """One gloo all-reduce between 2 nodes sends its bytes over the link once each way: at
+    20 Mbit/s it cannot take less than bytes x 8 / rate (a box under load only slows it)."""
+    out = tmp_path / "ar.json"
+    ok(run_netsim("ddp", "--nodes", 2, "--rate", "20mbit", "--", "--data", mlm_dataset,
+                  "--model", "bert-tiny", "--steps", "4", "--allreduce-only", "--out", out))
+    got = json.loads(out.read_text())
+    floor_ms = got["bytes"] * 8 / 20e6 * 1000
+    assert got["allreduce_ms"] >= 0.9 * floor_ms, (got["allreduce_ms"], floor_ms)
+
+
+def _start_long_run(data: Path, run_dir: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(NETSIM), "run", "--nodes", "2", "--rate",
+                             "100mbit", "--", "--data", str(data), "--out", str(run_dir),
+                             "--max-steps", "100000", *TRAIN], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").is_file() or \
+            not (run_dir / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+        time.sleep(1)
+    assert len(namespaces_of(proc.pid)) == 3  # the switch and two nodes
+    return proc
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_a_stopped_or_killed_tool_leaves_nothing_behind(mlm_dataset, tmp_path):
+    links = host_links()
+    stopped = _start_long_run(mlm_dataset, tmp_path / "term")
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=180) == 143
+    assert namespaces_of(stopped.pid) == []
+    assert processes_naming(str(tmp_path / "term")) == []
+
+    killed = _start_long_run(mlm_dataset, tmp_path / "kill")
+    killed.kill()
+    killed.wait()
+    left = namespaces_of(killed.pid)
+    assert len(left) == 3  # SIGKILL: nothing could clean up
+    cleaned = run_netsim("clean")
+    ok(cleaned)
+    assert all(ns in cleaned.stderr for ns in left), cleaned.stderr
+    assert namespaces_of(killed.pid) == []
+    assert processes_naming(str(tmp_path / "kill")) == []
+    assert host_links() == links
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_four_nodes_train_as_four_ranks_on_one_node(mlm_dataset, tmp_path):
+    ok(train_on(mlm_dataset, tmp_path / "net", 4, 1, "1gbit", 3))
+    ok(train_on(mlm_dataset, tmp_path / "local", 1, 4, "none", 3))
+    same_losses(tmp_path / "net", tmp_path / "local")

@@ -8,13 +8,14 @@ What is sent (P parameters, c = communication dtype bytes, w = weight bytes), as
 does it with this repo's ds_configs (read from `engine.py`, `stage_1_and_2.py`, `bf16_optimizer.py`,
 `stage3.py`):
 
-    ZeRO-0        all-reduce of the gradients (c x P) at the boundary, after backward
-                  (`engine.allreduce_gradients` -> `buffered_allreduce_fallback`)
-    ZeRO-1        all-reduce of the gradients at the boundary, one per reduce bucket
-                  (`use_multi_rank_bucket_allreduce` is on by default: an all-reduce, not a
-                  reduce-scatter), then an all-gather of the updated weights (w x P) in the step
-    ZeRO-1 bf16   the same bytes through `BF16_Optimizer`: the whole fp32 gradient cast to c and
-                  all-reduced after backward, then the bf16 weights all-gathered
+    ZeRO-0        all-reduce of the gradients (c x P) on the boundary micro step, in the app's
+                  reducer's buckets during backward (app/runtime/overlap.py; DeepSpeed alone
+                  reduces after backward, `buffered_allreduce_fallback`)
+    ZeRO-1        the same all-reduce through the app's reducer (DeepSpeed's own reduction
+                  becomes a local copy of the rank's partition), then an all-gather of the
+                  updated weights (w x P) in the step
+    ZeRO-1 bf16   the same bytes: the reducer sends BF16_Optimizer's fp32 gradient buffer in c
+                  during backward, then the bf16 weights are all-gathered
     ZeRO-2        the bucketed all-reduce every micro step (the gradients are partitioned as
                   they come), then the weight all-gather at the boundary
     ZeRO-3        every micro step: weight all-gathers in forward (and again in backward unless
@@ -36,6 +37,7 @@ from math import ceil
 from typing import Any, NamedTuple
 
 from data_tools.errors import UserError
+from app.runtime.overlap import bucket_elements
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKWARD_FRACTION = 2 / 3
@@ -55,21 +57,26 @@ class Overlap(NamedTuple):
     never does in DeepSpeed 0.19: it ends the optimizer step)."""
 
 
-# What overlaps today, per (path, device kind): the one place the planner reads it. The overlap
-# work (app/runtime/overlap.py) flips entries here when it makes a path overlap. On the CPU
-# accelerator DeepSpeed's side streams are no-ops: a reduction inside a backward hook blocks it.
+# What overlaps today, per (path, device kind): the one place the planner reads it. ZeRO-0 and
+# ZeRO-1 (fp32, and bf16 through BF16_Optimizer) reduce through the app's own reducer
+# (app/runtime/overlap.py): buckets all-reduced asynchronously while backward runs, on CPU (gloo's
+# threads) as on GPU; their parameter all-gather still ends the step. ZeRO-2 and ZeRO-3 keep
+# DeepSpeed's reduction: on the CPU accelerator its side streams are no-ops, so a reduction inside
+# a backward hook blocks it.
 OVERLAPPED: dict[tuple[str, str], Overlap] = {
-    ("zero0", "gpu"): Overlap(False, False),  # reduced after backward, at the boundary
-    ("zero0", "cpu"): Overlap(False, False),
-    ("zero1", "gpu"): Overlap(False, False),  # zero1.json: overlap_comm false
-    ("zero1", "cpu"): Overlap(False, False),
-    ("zero1-bf16", "gpu"): Overlap(False, False),  # BF16_Optimizer: no reduce hooks (review M2)
-    ("zero1-bf16", "cpu"): Overlap(False, False),
+    ("zero0", "gpu"): Overlap(True, False),  # the app's reducer, during backward
+    ("zero0", "cpu"): Overlap(True, False),
+    ("zero1", "gpu"): Overlap(True, False),  # the app's reducer; DeepSpeed's copy is local
+    ("zero1", "cpu"): Overlap(True, False),
+    ("zero1-bf16", "gpu"): Overlap(True, False),  # the reducer reads BF16_Optimizer's fp32 buffer
+    ("zero1-bf16", "cpu"): Overlap(True, False),
     ("zero2", "gpu"): Overlap(True, False),  # overlap_comm on its reduction stream
     ("zero2", "cpu"): Overlap(False, False),
     ("zero3", "gpu"): Overlap(True, True),  # overlap_comm and the prefetch
     ("zero3", "cpu"): Overlap(False, False),
 }
+APP_REDUCER_PATHS = ("zero0", "zero1", "zero1-bf16")
+"""The paths whose gradients go through the app's reducer, in its buckets (bucket_elements)."""
 
 
 def path_of(stage: int, precision: str) -> str:
@@ -316,7 +323,8 @@ class Job:
     """None: OVERLAPPED's entry for the path and device."""
     backward_fraction: float = BACKWARD_FRACTION
     buckets: dict[str, int] = field(default_factory=dict)
-    """reduce_bucket / allgather_bucket / prefetch_bucket / allreduce_bucket (elements)."""
+    """reduce_bucket / allgather_bucket / prefetch_bucket / allreduce_bucket, and the app's
+    reducer's reducer_bucket (elements; default: app/runtime/overlap.py's bucket_elements)."""
     zero3_gathers: int = 2
     """ZeRO-3 weight gathers per micro step: 2, or 1 when the weights stay gathered from forward
     to backward (the whole model within stage3_max_live_parameters)."""
@@ -336,7 +344,11 @@ class Job:
     def collectives(self) -> list[Collective]:
         overlap = self.overlap or overlap_of(self.stage, self.precision, self.device)
         b = {"reduce_bucket": 500_000_000, "allgather_bucket": 500_000_000, **self.buckets}
-        if path_of(self.stage, self.precision) == "zero1-bf16":  # the engine's fallback reduces
+        path = path_of(self.stage, self.precision)
+        reducer = b.pop("reducer_bucket", bucket_elements(self.params))
+        if path in APP_REDUCER_PATHS and overlap.reduce:  # the app's reducer's buckets
+            b["allreduce_bucket"] = b["reduce_bucket"] = reducer
+        elif path == "zero1-bf16":  # the engine's fallback reduces
             b["reduce_bucket"] = b.get("allreduce_bucket", ALLREDUCE_BUCKET)
         return collectives(self.stage, self.params,
                            comm_bytes=DTYPE_BYTES[self.comm_dtype or self.precision],

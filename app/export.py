@@ -41,7 +41,11 @@ def run(args: argparse.Namespace) -> int:
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     tag = args.tag or checkpoint.latest_tag(ckpt_dir)
     if tag is None or not (ckpt_dir / tag).is_dir():
-        raise UserError(f"{ckpt_dir}: no checkpoint {'tag ' + tag if tag else 'to export'}")
+        tags = checkpoint.all_tags(ckpt_dir) if ckpt_dir.is_dir() else []
+        what = f"no checkpoint tag {tag}" if args.tag else (
+            f"no '{checkpoint.LATEST}' naming a checkpoint" if tags else "no checkpoint to export")
+        raise UserError(f"{ckpt_dir}: {what}" + (f"; its tags: {', '.join(tags)}: pass one "
+                                                 f"with --tag" if tags else ""))
     if not checkpoint.check_files(ckpt_dir / tag):  # verified against its manifest, or said
         print(checkpoint.unverified_note(ckpt_dir / tag), file=sys.stderr)
     print(step_note(run_dir, tag), file=sys.stderr)

@@ -281,18 +281,26 @@ export PYTHONUNBUFFERED=1
 # DeepSpeed's runner forwards only MLFLOW*, PYTHON* (PYTHONPATH with this directory first), MV2*,
 # UCX* and the accelerator's prefixes, plus the lines of its env file: ours is written per job
 # (DS_ENV_FILE) and carries the user's own ~/.deepspeed_env and ./.deepspeed_env after it.
+# What a cluster's fabric needs goes by default: the interface gloo and NCCL bind (GLOO_*,
+# NCCL_*), libfabric's and UCX's settings (FI_* for EFA, UCX_*), torch's NCCL and rendezvous
+# switches, CUDA's, and LD_LIBRARY_PATH (NCCL's network plugins): without them NCCL falls back
+# to TCP sockets, silently. CUDA_VISIBLE_DEVICES stays: each node's launch.py sets it.
+FORWARDED=('WANDB_*' 'HF_*' 'NCCL_*' 'GLOO_*' 'FI_*' 'UCX_*' 'TORCH_NCCL_*' 'TORCH_DISTRIBUTED_*'
+           'CUDA_*' LD_LIBRARY_PATH OMP_NUM_THREADS TOKENIZERS_PARALLELISM PATH VIRTUAL_ENV)
 forward=() secrets=() launch_id=""
 env_file_lines=()
 # pdsh hands the exports and arguments to a shell on every host: these characters would be
 # interpreted there ('%' by pdsh itself)
 unsafe_chars='["$`\\%;&|<>()*?'"'"'#~!]|\[|\]'
 collect_forwarded_env() {
-  local name value listed=" "
+  local name value pattern listed=" "
   local -a names=()
   while IFS= read -r name; do
-    case "$name" in
-      WANDB_*|HF_*|NCCL_*|OMP_NUM_THREADS|TOKENIZERS_PARALLELISM|PATH|VIRTUAL_ENV) names+=("$name") ;;
-    esac
+    [ "$name" != CUDA_VISIBLE_DEVICES ] || continue
+    for pattern in "${FORWARDED[@]}"; do
+      # shellcheck disable=SC2053  # a glob on purpose
+      if [[ "$name" == $pattern ]]; then names+=("$name"); break; fi
+    done
   done < <(compgen -e | sort)
   names+=("${extra_env[@]}")
   for name in "${names[@]}"; do
@@ -332,8 +340,13 @@ collect_forwarded_env() {
     done < "$file"
   done
 }
+remote_exits=""
 if [ "$multi" = 1 ]; then
   collect_forwarded_env
+  if [ "$launcher" = pdsh ]; then  # each rank's exit status, on its own host (collect_exits)
+    remote_exits="/tmp/dspretrain-exits.$launch_id"
+    env_file_lines+=("DSPRETRAIN_EXIT_DIR=$remote_exits")
+  fi
   if [ "$launcher" != pdsh ]; then  # DeepSpeed's MPI and Slurm backends may not set these
     env_file_lines+=("MASTER_ADDR=$master_addr" "MASTER_PORT=${master_port:-29500}")
   fi
@@ -350,6 +363,52 @@ if [ "$multi" = 1 ]; then
 fi
 
 # -------------------------------------------------------------------- pre-flight on every host
+# The interfaces GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name ($2, $3), seen from this node:
+# each must exist here, and reach the master ($1) unless the master is this node. Prints one line
+# naming the interface and the master and returns 1 when not. Self-contained: check_hosts runs
+# it on every host (declare -f).
+iface_problem() {
+  local master="$1" var given value exact name w addr route here=() wanted=() matched=() reach
+  for name in /sys/class/net/*; do here+=("${name##*/}"); done
+  addr="$(getent ahostsv4 "$master" 2>/dev/null | awk 'NR == 1 { print $1 }')" || addr=""
+  route="$(ip -o route get "$addr" 2>/dev/null)" || route=""
+  for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME; do
+    if [ "$var" = GLOO_SOCKET_IFNAME ]; then given="$2"; else given="$3"; fi
+    value="$given"
+    if [ -z "$value" ] || [[ "$value" == ^* ]]; then continue; fi  # NCCL's "^x": all but x
+    exact=0
+    if [ "$var" = NCCL_SOCKET_IFNAME ] && [[ "$value" == =* ]]; then exact=1 value="${value#=}"; fi
+    [ "$var" = NCCL_SOCKET_IFNAME ] || exact=1  # gloo takes names, NCCL prefixes
+    IFS=, read -r -a wanted <<< "$value"
+    matched=() reach=0
+    for name in "${here[@]}"; do
+      for w in "${wanted[@]}"; do
+        if [ "$name" = "$w" ] || { [ "$exact" = 0 ] && [[ "$name" == "$w"* ]]; }; then
+          matched+=("$name"); break
+        fi
+      done
+    done
+    for w in "${wanted[@]}"; do  # gloo uses every interface it is given: each must be here
+      if [ "$var" = GLOO_SOCKET_IFNAME ] && [ ! -e "/sys/class/net/$w" ]; then matched=(); fi
+    done
+    if [ "${#matched[@]}" -eq 0 ]; then
+      echo "$var=$given: no such network interface on $(hostname) (it has ${here[*]}), so its ranks cannot reach the master $master"
+      return 1
+    fi
+    # the master's address resolved, not on this node, and `ip` here: one interface must route
+    if [ -z "$addr" ] || [ -z "$route" ] || [[ "$route" == local* ]]; then continue; fi
+    for name in "${matched[@]}"; do
+      (( ($(cat "/sys/class/net/$name/flags" 2>/dev/null || echo 0) & 8) == 0 )) || continue  # loopback
+      ! ip -o route get "$addr" oif "$name" >/dev/null 2>&1 || { reach=1; break; }
+    done
+    if [ "$reach" = 0 ]; then
+      echo "$var=$given: interface ${matched[*]} on $(hostname) has no route to the master $master ($addr)"
+      return 1
+    fi
+  done
+}
+ifname_set=0
+[ -z "${GLOO_SOCKET_IFNAME:-}${NCCL_SOCKET_IFNAME:-}" ] || ifname_set=1
 backend_ok() {
   case "$launcher" in
     pdsh) command -v pdsh ;;
@@ -371,6 +430,11 @@ check_hosts() {
   local remote="" name i host rc out err running=0 python_path="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   remote+="cd $(shq "$PWD") 2>/dev/null || exit 97; "
   remote+="test -x $(shq "$py_exe") || exit 98; test -r $(shq "$self") || exit 99; "
+  if [ "$ifname_set" = 1 ]; then
+    remote+="bash -c $(shq "$(declare -f iface_problem); iface_problem \"\$@\"") iface_problem"
+    remote+=" $(shq "$master_addr") $(shq "${GLOO_SOCKET_IFNAME:-}") $(shq "${NCCL_SOCKET_IFNAME:-}")"
+    remote+=" || exit 96; "
+  fi
   for name in "${forward[@]}"; do
     case "$name" in *KEY*|*TOKEN*|*SECRET*|*PASSWORD*) continue ;; esac  # not on more argv
     remote+="export $name=$(shq "${!name}"); "
@@ -397,6 +461,7 @@ check_hosts() {
            die "$host runs $out, but this host runs $local_versions: install the same environment (and checkout) on every node" ;;
       255) die "$host: not reachable by passwordless ssh${err:+ ($err)}: set up keys (ssh-copy-id $host) and accept its host key, or start every node yourself with --no-ssh" ;;
       124) die "$host: no answer over ssh within 60 s: check the host, or start every node yourself with --no-ssh" ;;
+      96) die "$host: $out" ;;
       97) die "$host: no directory $PWD there: launch from a directory every node shares" ;;
       98) die "$host: no interpreter $py_exe there: install the same environment at the same path on every node" ;;
       99) die "$host: no $self there: the checkout must be at the same path on every node" ;;
@@ -417,6 +482,13 @@ if [ "$multi" = 1 ]; then
       check_hosts
     fi
   fi
+fi
+
+# This node's ranks (one box, or --no-ssh): the interfaces they are told to use are here and reach
+# the master. Ranks started over ssh are checked on their hosts (check_hosts).
+if [ "$multi" = 0 ] && [ "$ifname_set" = 1 ]; then
+  problem="$(iface_problem "${master_addr:-127.0.0.1}" "${GLOO_SOCKET_IFNAME:-}" \
+    "${NCCL_SOCKET_IFNAME:-}")" || die "$problem"
 fi
 
 # One box: a free rendezvous port unless one was given (two jobs on a box both taking 29500 fail
@@ -504,16 +576,36 @@ watch_stderr() {  # pdsh says at once when a host's launcher fails: that stops t
   : 2>/dev/null > "$jobdir/stderr.eof" || true
 }
 
-# Stop the job: on every host, TERM to the processes that carry this job's id (DeepSpeed's
-# launch.py then ends its ranks), through pdsh as the job came.
-# shellcheck disable=SC2317  # stop_hosts .. on_failure: called from traps
-stop_hosts() {
-  local remote workers
-  remote="for f in \$(grep -lzxF $(shq "DSPRETRAIN_LAUNCH_ID=$launch_id") /proc/[0-9]*/environ"
-  remote+=" 2>/dev/null); do p=\${f#/proc/}; kill -TERM \"\${p%/environ}\" 2>/dev/null; done; true"
+# A shell command on every host, through pdsh as the job came; its lines come out "host: line".
+# shellcheck disable=SC2317  # on_hosts .. on_failure: called from traps
+on_hosts() {
+  local workers
   workers="$(IFS=,; echo "${active[*]}")"
   PDSH_RCMD_TYPE=ssh PDSH_SSH_ARGS_APPEND="${PDSH_SSH_ARGS_APPEND:-}${ssh_port:+ -p $ssh_port}" \
-    timeout 60 pdsh -S -t 10 -u 30 -f 1024 -w "$workers" "$remote" </dev/null >/dev/null 2>&1 || true
+    timeout 60 pdsh -S -t 10 -u 30 -f 1024 -w "$workers" "$1" </dev/null 2>/dev/null || true
+}
+# Stop the job: on every host, TERM to the processes that carry this job's id (DeepSpeed's
+# launch.py then ends its ranks).
+stop_hosts() {
+  local remote
+  remote="for f in \$(grep -lzxF $(shq "DSPRETRAIN_LAUNCH_ID=$launch_id") /proc/[0-9]*/environ"
+  remote+=" 2>/dev/null); do p=\${f#/proc/}; kill -TERM \"\${p%/environ}\" 2>/dev/null; done; true"
+  on_hosts "$remote" >/dev/null
+}
+# The ranks' exit statuses, which each wrote on its own host (DSPRETRAIN_EXIT_DIR): into
+# $jobdir/exits as on one box, the hosts' directories removed. launch.py reports only its own
+# status through pdsh (1 when it was stopped, whatever its ranks did).
+collect_exits() {
+  local remote name code
+  remote="cd $(shq "$remote_exits") 2>/dev/null || exit 0; for f in rank*; do"
+  remote+=" c=\$(cat \"\$f\" 2>/dev/null) && echo \"\$f \$c\"; rm -f \"\$f\"; done;"
+  remote+=" cd / && rmdir $(shq "$remote_exits") 2>/dev/null; true"
+  mkdir -p "$jobdir/exits"
+  while read -r _ name code; do  # "host: rankN status"
+    if [[ "$name" =~ ^rank[0-9]+$ && "$code" =~ ^[0-9]+$ ]]; then
+      echo "$code" > "$jobdir/exits/$name"
+    fi
+  done < <(on_hosts "$remote")
 }
 # Here, TERM to every process of the job, as a scheduler does: the ranks stop together with a
 # checkpoint, launch.py ends them too (TERM, then KILL after 30 s), the loader workers ignore it.
@@ -551,13 +643,21 @@ on_failure() {  # USR1: a host failed (watch_stderr), or the scheduler's signal 
   read -r code host < "$jobdir/failed"
   stop_job "the launcher on $host exited with status $code" "$code"
 }
+# The stop's deadline passed and the job still runs here: KILL it (once; again in an hour).
+kill_overdue() {
+  [ "$SECONDS" -ge "$deadline" ] || return 0
+  echo "launch.sh: the job outlived its stop by 90 s: killing what runs here" >&2
+  kill -KILL -- "-$runner_pid" 2>/dev/null || true
+  deadline=$((SECONDS + 3600))
+}
 # Whether a process of the job still runs here (zombies, which wait for init to reap them, do not).
 job_alive() {
   ps -e -o pgid= -o stat= 2>/dev/null |
     awk -v g="$runner_pid" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
 }
-# 75 when a rank here stopped on a signal (exit 75) and none failed otherwise (1: it lost a peer
-# that stopped; none: launch.py ended it), else nothing: the launcher's status stands.
+# 75 when a rank stopped on a signal (exit 75) and none failed otherwise (1: it lost a peer that
+# stopped; none: launch.py ended it), else nothing: the launcher's status stands. The ranks of
+# this box wrote into $jobdir/exits; those of other hosts came with collect_exits.
 ranks_verdict() {
   local file code stopped=0
   for file in "$jobdir"/exits/rank*; do
@@ -587,11 +687,7 @@ set +m
 rc=""
 while [ -z "$rc" ]; do
   if [ "$stopping" = 1 ] && kill -0 "$runner_pid" 2>/dev/null; then
-    if [ "$SECONDS" -ge "$deadline" ]; then
-      echo "launch.sh: the job outlived its stop by 90 s: killing what runs here" >&2
-      kill -KILL -- "-$runner_pid" 2>/dev/null || true
-      deadline=$((SECONDS + 3600))
-    fi
+    kill_overdue
     sleep 1
     continue
   fi
@@ -611,10 +707,8 @@ if [ "$multi" = 0 ]; then
   while job_alive; do
     if [ "$stopping" = 0 ]; then
       stop_job "DeepSpeed's launcher ended with status $rc while ranks still ran" "$rc"
-    elif [ "$SECONDS" -ge "$deadline" ]; then
-      echo "launch.sh: the job outlived its stop by 90 s: killing what runs here" >&2
-      kill -KILL -- "-$runner_pid" 2>/dev/null || true
-      deadline=$((SECONDS + 3600))
+    else
+      kill_overdue
     fi
     sleep 0.2
   done
@@ -624,14 +718,16 @@ if [ "$multi" = 1 ] && [ "$launcher" = pdsh ]; then
     [ -e "$jobdir/stdout.eof" ] && [ -e "$jobdir/stderr.eof" ] && break
     sleep 0.05
   done
+  collect_exits
   if [ -e "$jobdir/failed" ]; then
     read -r code host < "$jobdir/failed"
+    [ "$code" != 75 ] || exit 75  # a host's ranks stopped on a signal first, with a checkpoint
     echo "launch.sh: the job failed: the launcher on $host exited with status $code" >&2
     exit "$code"
   fi
 fi
 # 75: the ranks saved a checkpoint on the stop (or stopped before there was anything to save)
 # and want the same command again (app/faults/preemption.py)
-[ "$multi" = 1 ] || [ "$(ranks_verdict)" != 75 ] || exit 75
+[ "$(ranks_verdict)" != 75 ] || exit 75
 [ "$stopping" = 0 ] || [ "$rc" = 0 ] || [ "$rc" = 75 ] || exit "$stop_status"
 exit "$rc"

@@ -158,7 +158,8 @@ def _engine(plan: Plan, cooldown: anomaly.Cooldown):
     # ZeRO-3: built partitioned (no rank holds the whole model), same weights as ZeRO 0-2
     zero3 = plan.ds_config if zero_stage(plan.ds_config) == 3 else None
     model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
-                        seed=cfg.seed, for_training=True, zero3_config=zero3)
+                        seed=cfg.seed, for_training=True, zero3_config=zero3,
+                        init_from=plan.init_from)
     n_params = count_parameters(model)
     engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown),
                         optimizer_groups(model, cfg.weight_decay))
@@ -176,6 +177,7 @@ def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
           f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
           f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
           file=sys.stderr)
+    print(f"gradients: {engine_facts(engine)['grad_reduction']}", file=sys.stderr)
     print(telemetry.banner(shape, nodes=run_config["environment"]["nodes"],
                            total_steps=plan.total_steps, device=plan.device.model),
           file=sys.stderr)
@@ -313,7 +315,7 @@ def _guards(plan: Plan, world: World, state: TrainState, engine, train_spec,
     rules = anomaly.Rules(policy=cfg.on_anomaly, window=cfg.spike_window, z=cfg.spike_z,
                           rise=cfg.spike_rise, max_rollbacks=cfg.max_rollbacks,
                           cooldown_steps=cfg.cooldown_steps, cooldown_factor=cfg.cooldown_factor)
-    skip = rundir.read_skipped(cfg.out)
+    skip = rundir.read_skipped(cfg.out, since_step=state.phase_step)
     state.consumed_samples = skip_ahead(state.consumed_samples, gbs, skip)
     recovery = Recovery(
         rules=rules, monitor=anomaly.LossMonitor(rules, plan.device.torch_device(world.local_rank)),

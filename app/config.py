@@ -17,13 +17,14 @@ from app.data.packing import PACKINGS
 from app.data.sources import is_mixture_arg
 from app.faults.anomaly import POLICIES, Rules
 from app.runtime.device import PRECISIONS
-from app.schedule import DECAYS
+from app.schedule import DECAY_SHAPES, DECAYS
 from data_tools.cli import config_file, config_flags, finite_float, flag
 from data_tools.errors import UserError
 
 RESUME_MODES = ("auto", "never")
 WANDB_MODES = ("online", "offline", "disabled")
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
+GRAD_COMM_DTYPES = ("fp32", "bf16")
 
 
 @dataclass
@@ -69,7 +70,7 @@ class TrainConfig:
     warmup_steps: int | None = None
     """Linear warmup steps (default: 5% of the schedule, at least 1)."""
     lr_decay: str = "cosine"
-    """cosine|linear|constant decay after warmup."""
+    """cosine|linear|constant decay after warmup, or wsd (warmup-stable-decay)."""
     weight_decay: float = 0.01
     """AdamW's decoupled weight decay, on the linear layers' matrices only (biases, norms and
     embeddings are exempt: app/model.py optimizer_groups)."""
@@ -151,9 +152,23 @@ class TrainConfig:
     peak_tflops: float | None = None
     """The accelerator's dense peak TFLOP/s for MFU (default: from app/telemetry/hardware.py's
     table)."""
+    # Encoder recipes (docs/recipes.md): WSD's decay, warm starts
+    decay_fraction: float = 0.2
+    """--lr-decay wsd: the last fraction of the run's steps over which the LR decays."""
+    decay_shape: str = "1-sqrt"
+    """--lr-decay wsd: the decay's shape, 1-sqrt|linear|cosine."""
+    init_from: Path | None = None
+    """A new run starts from these weights: an `app export` directory, any Hugging Face model
+    directory of the same architecture and tokenizer, or another run directory (its latest
+    checkpoint); fresh optimizer, schedule, data order (docs/recipes.md)."""
+    # Gradient communication (docs/gpu.md)
+    grad_comm_dtype: str | None = None
+    """fp32|bf16: the dtype gradients are summed in across ranks (DeepSpeed's
+    communication_data_type; default: the ds_config's, else fp32; docs/gpu.md says why)."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        self.init_from = Path(self.init_from) if self.init_from is not None else None
         if isinstance(self.data, (list, tuple)):  # from the flag; one plain DIR stays a Path
             data = [str(d) for d in self.data]
             self.data = data if len(data) > 1 or is_mixture_arg(data[0]) else Path(data[0])
@@ -203,6 +218,9 @@ class TrainConfig:
             raise UserError(f"--wandb {self.wandb!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.attn not in ATTENTION:
             raise UserError(f"--attn {self.attn!r}: expected one of {', '.join(ATTENTION)}")
+        if self.grad_comm_dtype not in (None, *GRAD_COMM_DTYPES):
+            raise UserError(f"--grad-comm-dtype {self.grad_comm_dtype!r}: expected one of "
+                            f"{', '.join(GRAD_COMM_DTYPES)}")
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -247,6 +265,7 @@ RANGES: dict[str, tuple[Any, Any, str]] = {
     "warmup_steps": (lambda v: v >= 0, _any, "0 or more"),
     "eps": (lambda v: v > 0, lambda v: v < 1, "in (0, 1) (AdamW's denominator term)"),
     "min_lr_ratio": (lambda v: v >= 0, lambda v: v <= 1, "in [0, 1] (a fraction of --lr)"),
+    "decay_fraction": (lambda v: v > 0, lambda v: v <= 1, "in (0, 1] (a fraction of the run)"),
     "mask_prob": (lambda v: v > 0, lambda v: v < 1, "in (0, 1)"),
     "spike_rise": (lambda v: v >= 0, _any, "0 or more"),
     "peak_tflops": (lambda v: v > 0, _any, "positive"),
@@ -301,6 +320,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("wandb_tags", nargs="+", default=[], metavar="TAG")
     add("run_name", metavar="NAME")
     add("peak_tflops", type=finite_float, metavar="F")
+    add("decay_fraction", type=finite_float, metavar="F")
+    add("decay_shape", choices=DECAY_SHAPES)
+    add("init_from", type=Path, metavar="DIR")
+    add("grad_comm_dtype", choices=GRAD_COMM_DTYPES)
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in
     # the environment says the same, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

@@ -41,17 +41,17 @@ def run(args: argparse.Namespace) -> int:
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     tag = args.tag or checkpoint.latest_tag(ckpt_dir)
     if tag is None or not (ckpt_dir / tag).is_dir():
-        raise UserError(f"{ckpt_dir}: no checkpoint {'tag ' + tag if tag else 'to export'}")
+        tags = checkpoint.all_tags(ckpt_dir) if ckpt_dir.is_dir() else []
+        what = f"no checkpoint tag {tag}" if args.tag else (
+            f"no '{checkpoint.LATEST}' naming a checkpoint" if tags else "no checkpoint to export")
+        raise UserError(f"{ckpt_dir}: {what}" + (f"; its tags: {', '.join(tags)}: pass one "
+                                                 f"with --tag" if tags else ""))
     if not checkpoint.check_files(ckpt_dir / tag):  # verified against its manifest, or said
         print(checkpoint.unverified_note(ckpt_dir / tag), file=sys.stderr)
     print(step_note(run_dir, tag), file=sys.stderr)
     model_cfg = rebuild_config(run_config, run_dir)
     model = build_model(model_cfg)
-    # the tag's own stage: a run that switched stage keeps checkpoints of each
-    # (app/checkpoint/universal.py)
-    stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
-    state_dict = checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
-    load_weights(model, state_dict, where=ckpt_dir / tag)
+    load_weights(model, run_weights(ckpt_dir, tag), where=ckpt_dir / tag)
     vocab = int(run_config["data"].get("vocab_size") or model.config.vocab_size)
     if model.config.vocab_size > vocab:  # the tokenizer's size: drop the tensor-core padding
         model.resize_token_embeddings(vocab, mean_resizing=False)
@@ -72,6 +72,27 @@ def run(args: argparse.Namespace) -> int:
     print(f"exported {tag} of {run_dir} -> {out} ({run_config['model']['preset']}, "
           f"{objective})", file=sys.stderr)
     return 0
+
+
+def run_weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of one checkpoint tag, whatever ZeRO stage wrote it (the tag's own: a
+    run that switched stage keeps checkpoints of each, app/checkpoint/universal.py)."""
+    stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
+    return checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
+
+
+def latest_of(run_dir: Path) -> tuple[Path, str]:
+    """(checkpoint dir, latest tag) of a run directory; UserError when it has none."""
+    ckpt_dir = run_dir / rundir.CHECKPOINTS
+    tag = checkpoint.latest_tag(ckpt_dir)
+    if tag is None:
+        raise UserError(f"{ckpt_dir}: no checkpoint to take weights from")
+    return ckpt_dir, tag
+
+
+def run_model_config(run_dir: Path):
+    """The model config of a run directory (its config.json), as `app export` rebuilds it."""
+    return rebuild_config(rundir.read_run_config(run_dir), run_dir)
 
 
 def last_step(run_dir: Path) -> int | None:

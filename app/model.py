@@ -6,17 +6,21 @@ the dataset's tokenizer, and any config field can be overridden (`--model-arg ke
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from dataclasses import dataclass
+from dataclasses import field as default_of
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig,
-                          BertForMaskedLM, GPT2Config, LlamaConfig, PretrainedConfig,
-                          PreTrainedModel)
+                          BertForMaskedLM, GPT2Config, LlamaConfig, ModernBertConfig,
+                          ModernBertForMaskedLM, PretrainedConfig, PreTrainedModel, RobertaConfig,
+                          RobertaForMaskedLM)
 from transformers.modeling_outputs import MaskedLMOutput
 
 from app.data.masking import IGNORE_INDEX
+from app.rundir import is_run_dir
 from app.runtime.zero3_init import partitioned
 from data_tools.errors import UserError
 
@@ -29,12 +33,38 @@ class Preset:
     objective: str
     """"mlm" (encoder, BERT-like) or "clm" (decoder, GPT-like)."""
     fields: Mapping[str, Any]
+    ids: Mapping[str, str] = default_of(default_factory=dict)
+    """Config fields that take the dataset's [CLS] or [SEP] id ("cls" or "sep"): an encoder
+    family's own names for them (RoBERTa's <s> and </s> are its bos and eos)."""
 
 
 def _bert(hidden: int, layers: int, heads: int) -> Preset:
     return Preset(BertConfig, "mlm", dict(hidden_size=hidden, num_hidden_layers=layers,
                                           num_attention_heads=heads, intermediate_size=4 * hidden,
                                           max_position_embeddings=512))
+
+
+# Tokens of context of the RoBERTa presets (max_position_embeddings adds the pad id + 1).
+ROBERTA_CONTEXT = 1024
+
+def _roberta(hidden: int, layers: int, heads: int) -> Preset:
+    """RoBERTa: BERT's geometry, one token type, 1,024 tokens of context. Its position ids start
+    after the padding id, so build_config sizes max_position_embeddings from the pad id."""
+    return Preset(RobertaConfig, "mlm", dict(hidden_size=hidden, num_hidden_layers=layers,
+                                             num_attention_heads=heads, type_vocab_size=1,
+                                             intermediate_size=4 * hidden,
+                                             max_position_embeddings=ROBERTA_CONTEXT),
+                  ids=dict(bos_token_id="cls", eos_token_id="sep"))
+
+
+def _modernbert(hidden: int, layers: int, heads: int, glu: int) -> Preset:
+    """ModernBERT (Warner et al. 2024): RoPE, pre-LN, no biases, GeGLU of width `glu`, global
+    attention every third layer and a 128-token sliding window in the others, 8,192 positions."""
+    return Preset(ModernBertConfig, "mlm", dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=glu, max_position_embeddings=8192, local_attention=128,
+        global_attn_every_n_layers=3),
+        ids=dict(bos_token_id="cls", eos_token_id="sep", cls_token_id="cls", sep_token_id="sep"))
 
 
 def _gpt(hidden: int, layers: int, heads: int) -> Preset:
@@ -46,6 +76,12 @@ PRESETS: dict[str, Preset] = {
     "bert-tiny": _bert(128, 2, 2),  # tests and the CPU demo
     "bert-120m": _bert(768, 12, 12),  # BERT-base geometry: the paper's small model
     "bert-350m": _bert(1024, 24, 16),  # BERT-large geometry: the paper's large model
+    "roberta-tiny": _roberta(128, 2, 2),
+    "roberta-base": _roberta(768, 12, 12),  # RoBERTa-base geometry (125M with its vocabulary)
+    "roberta-large": _roberta(1024, 24, 16),  # RoBERTa-large geometry (355M)
+    "modernbert-tiny": _modernbert(128, 3, 2, 192),
+    "modernbert-base": _modernbert(768, 22, 12, 1152),  # ModernBERT-base (149M)
+    "modernbert-large": _modernbert(1024, 28, 16, 2624),  # ModernBERT-large (395M)
     "gpt-tiny": _gpt(128, 2, 2),
     "gpt-125m": _gpt(768, 12, 12),  # GPT-2 small
     "gpt-350m": _gpt(1024, 24, 16),  # GPT-2 medium
@@ -57,6 +93,8 @@ PRESETS: dict[str, Preset] = {
 # Config fields that hold dropout probabilities, per model type (`--dropout` sets them all).
 _DROPOUT_FIELDS = {
     "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    "roberta": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    "modernbert": ("attention_dropout", "embedding_dropout", "mlp_dropout"),
     "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
     "llama": ("attention_dropout",),
 }
@@ -142,7 +180,9 @@ def build_config(name: str, *, vocab_size: int, special_ids: Mapping[str, int | 
     overrides = dict(overrides or {})
     fields = dict(p.fields)
     fields["vocab_size"] = padded_vocab(vocab_size, pad_vocab_to)
-    fields.update({k: v for k, v in special_ids.items() if v is not None})
+    fields.update(_special_fields(p, special_ids, fields["vocab_size"]))
+    if p.config_class is RobertaConfig:  # position ids run from pad + 1 (RobertaEmbeddings)
+        fields["max_position_embeddings"] += int(fields.get("pad_token_id", 1)) + 1
     default = p.config_class(**fields)
     for key in _DROPOUT_FIELDS.get(default.model_type, ()):
         if dropout is not None:
@@ -164,6 +204,27 @@ def build_config(name: str, *, vocab_size: int, special_ids: Mapping[str, int | 
     return config
 
 
+# Special-id fields of the configs: a preset's default one outside the vocabulary is cleared.
+_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id")
+
+
+def _special_fields(p: Preset, special_ids: Mapping[str, int | None],
+                    vocab: int) -> dict[str, int | None]:
+    """The dataset's ids as config fields: pad, bos and eos where given, [CLS] and [SEP]
+    ("cls_token_id", "sep_token_id" in `special_ids`) under the family's names (`Preset.ids`);
+    a preset default that would point outside the vocabulary (ModernBERT's 50,281) is None."""
+    out = {k: v for k, v in special_ids.items()
+           if v is not None and k not in ("cls_token_id", "sep_token_id")}
+    for name, role in p.ids.items():
+        out[name] = special_ids.get(f"{role}_token_id")
+    default = p.config_class(**p.fields)
+    for name in _ID_FIELDS:
+        value = getattr(default, name, None)
+        if name not in out and isinstance(value, int) and value >= vocab:
+            out[name] = None
+    return out
+
+
 def config_from_dict(data: Mapping[str, Any]) -> PretrainedConfig:
     """Rebuild a saved config (config.json of a run) without knowing its class in advance."""
     data = dict(data)
@@ -171,32 +232,47 @@ def config_from_dict(data: Mapping[str, Any]) -> PretrainedConfig:
 
 
 def max_positions(config: PretrainedConfig) -> int:
-    """Longest sequence the model takes (GPT-2's n_positions through its attribute_map)."""
+    """Longest sequence the model takes (GPT-2's n_positions through its attribute_map; RoBERTa
+    spends the first pad id + 1 positions: its ids start after the padding id)."""
+    if config.model_type in _OFFSET_POSITIONS:
+        return int(config.max_position_embeddings) - int(config.pad_token_id or 0) - 1
     return int(config.max_position_embeddings)
 
 
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert")
+
+
 def objective_of(config: PretrainedConfig) -> str:
-    return "mlm" if config.model_type == "bert" else "clm"
+    """"mlm" for an encoder (an architecture with a masked-LM head: BERT, RoBERTa, ModernBERT),
+    else "clm" (decoders: GPT-2, Llama, ...). By architecture, not name: a RoBERTa or ModernBERT
+    config trained as a causal LM would learn nothing useful."""
+    encoder = type(config) in AutoModelForMaskedLM._model_mapping \
+        and not getattr(config, "is_decoder", False) \
+        and not getattr(config, "is_encoder_decoder", False)
+    return "mlm" if encoder else "clm"
 
 
-class SparseHeadBertForMaskedLM(BertForMaskedLM):
-    """BertForMaskedLM that, given the masked positions, runs the vocabulary head there only.
+class SparseHead:
+    """A masked-LM model that, given the masked positions, runs the vocabulary head there only.
 
-    The head (hidden x vocab per position) is most of a small BERT's step; MLM masks ~15% of
+    The head (hidden x vocab per position) is most of a small encoder's step; MLM masks ~15% of
     positions, so this cuts a bert-tiny step about in half on CPU. The positions come as a
     fixed-width list per sample (`mlm_positions`, padded, with `mlm_labels` IGNORE_INDEX there;
     app.data.loader.BatchLayout): a gather with static shapes, no host sync. Same weights and the
-    same loss (mean cross-entropy over the masked tokens); without positions it is
-    BertForMaskedLM, and exports load as one.
+    same loss (mean cross-entropy over the masked tokens); without positions it is the family's
+    *ForMaskedLM, and exports load as one. A family names its encoder and head
+    (`sparse_encoder`, `sparse_head`). ModernBERT's own `sparse_prediction` selects with a
+    boolean mask instead: a host sync per step.
     """
 
     def forward(self, input_ids=None, attention_mask=None, mlm_positions=None, mlm_labels=None,
                 **kwargs):
         if mlm_positions is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask, **kwargs)[0]
+        hidden = self.sparse_encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                     **kwargs)[0]
         index = mlm_positions.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
-        logits = self.cls(hidden.gather(1, index))
+        logits = self.sparse_head(hidden.gather(1, index))
         flat = mlm_labels.reshape(-1)
         # sum / count on the device: a micro batch without a masked token gives 0, not NaN
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat,
@@ -205,9 +281,45 @@ class SparseHeadBertForMaskedLM(BertForMaskedLM):
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
+class SparseHeadBertForMaskedLM(SparseHead, BertForMaskedLM):
+    """BertForMaskedLM with the sparse head (SparseHead)."""
+
+    def sparse_encoder(self, **kwargs):
+        return self.bert(**kwargs)
+
+    def sparse_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.cls(hidden)
+
+
+class SparseHeadRobertaForMaskedLM(SparseHead, RobertaForMaskedLM):
+    """RobertaForMaskedLM with the sparse head (SparseHead)."""
+
+    def sparse_encoder(self, **kwargs):
+        return self.roberta(**kwargs)
+
+    def sparse_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class SparseHeadModernBertForMaskedLM(SparseHead, ModernBertForMaskedLM):
+    """ModernBertForMaskedLM with the sparse head (SparseHead)."""
+
+    def sparse_encoder(self, **kwargs):
+        return self.model(**kwargs)
+
+    def sparse_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.head(hidden))
+
+
+# The sparse-head class of each MLM family this app trains (app.model.build_model)
+SPARSE_HEADS = {"bert": SparseHeadBertForMaskedLM, "roberta": SparseHeadRobertaForMaskedLM,
+                "modernbert": SparseHeadModernBertForMaskedLM}
+
+
 def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = False,
                 seed: int | None = None, for_training: bool = False,
-                zero3_config: Mapping[str, Any] | None = None) -> torch.nn.Module:
+                zero3_config: Mapping[str, Any] | None = None,
+                init_from: Path | None = None) -> torch.nn.Module:
     """A freshly initialised model for the config's objective (same seed, same weights).
 
     `for_training`: the MLM head takes the loader's masked positions (SparseHeadBertForMaskedLM),
@@ -216,12 +328,16 @@ def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = Fals
     `zero3_config`: a ZeRO-3 DeepSpeed config; the model is then built partitioned
     (`deepspeed.zero.Init`, in a process group): no rank ever holds all of it, and its weights
     are the same as an unpartitioned build's (app.runtime.zero3_init).
+    `init_from`: a Hugging Face model directory whose weights replace the fresh ones (a warm
+    start, checked by check_init_config; not with `zero3_config`).
     """
     if seed is not None:
         torch.manual_seed(seed)
     auto = AutoModelForMaskedLM if objective_of(config) == "mlm" else AutoModelForCausalLM
     with partitioned(zero3_config):
         model = _instantiate(config, auto, for_training)
+    if init_from is not None:
+        load_init_weights(model, init_from)
     if for_training:
         for part in model.modules():  # the base model (GPT2Model, ...) is the one that looks
             if isinstance(part, PreTrainedModel):
@@ -238,11 +354,11 @@ def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = Fals
 
 def _instantiate(config: PretrainedConfig, auto, for_training: bool) -> torch.nn.Module:
     try:
-        if for_training and config.model_type == "bert":
-            model = SparseHeadBertForMaskedLM._from_config(
-                config, attn_implementation=config._attn_implementation)
-        else:
-            model = auto.from_config(config, attn_implementation=config._attn_implementation)
+        model = auto.from_config(config, attn_implementation=config._attn_implementation)
+        if for_training and config.model_type in SPARSE_HEADS:
+            # the same module with the sparse forward: built as the plain class, so the same
+            # seed gives the same weights (ModernBERT's init skips a subclass's head)
+            model.__class__ = SPARSE_HEADS[config.model_type]
     except (ImportError, ValueError) as e:  # e.g. flash_attention_2 without its package
         raise UserError(f"--attn {config._attn_implementation}: {e}".splitlines()[0]) from None
     return model
@@ -270,3 +386,90 @@ def count_parameters(model: torch.nn.Module) -> int:
     """Unique parameters (tied weights once)."""
     return sum(getattr(p, "ds_numel", p.numel())  # ZeRO-3: the whole, not this rank's shard
                for p in {id(p): p for p in model.parameters()}.values())
+
+
+# Config fields that fix the shapes of the weights: an --init-from source must agree on them
+_GEOMETRY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "max_position_embeddings", "type_vocab_size", "head_dim",
+             "layer_types", "global_attn_every_n_layers")
+
+
+def read_init_config(directory: Path) -> PretrainedConfig:
+    """The config of an --init-from directory (a Hugging Face model directory: an `app export`,
+    a downloaded model; or a run directory of `app train`); UserError when there is none."""
+    if is_run_dir(directory):
+        from app.export import run_model_config  # app.export imports this module
+        return run_model_config(directory)
+    if not (directory / "config.json").is_file():
+        raise UserError(f"--init-from {directory}: no config.json (expected a Hugging Face model "
+                        f"directory, e.g. one written by `app export`)")
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except Exception as e:  # noqa: BLE001 - transformers' many ways to reject a config
+        raise UserError(f"--init-from {directory}: config.json is not a usable model config "
+                        f"({(str(e).strip().splitlines() or [type(e).__name__])[-1]})") from None
+
+
+def check_init_config(config: PretrainedConfig, source: PretrainedConfig, vocab_size: int,
+                      directory: Path, preset_name: str) -> None:
+    """UserError unless `source` has this run's architecture, geometry and vocabulary (the
+    dataset tokenizer's size; the run's tensor-core padding rows are not in an export)."""
+    where = f"--init-from {directory}"
+    if type(source) is not type(config):
+        raise UserError(f"{where}: a {source.model_type} model; --model {preset_name} is "
+                        f"{config.model_type} (choose a preset of the source's architecture)")
+    for name in _GEOMETRY:
+        want, got = getattr(config, name, None), getattr(source, name, None)
+        if want is not None and got is not None and want != got:
+            raise UserError(f"{where}: its {name} is {got!r}, --model {preset_name}'s {want!r} "
+                            f"(set it with --model-arg {name}=..., or choose another preset)")
+    if int(source.vocab_size) not in (vocab_size, int(config.vocab_size)):
+        raise UserError(f"{where}: a vocabulary of {source.vocab_size} tokens; the dataset's "
+                        f"tokenizer has {vocab_size} (the model must come with the dataset's "
+                        f"tokenizer)")
+
+
+def _init_weights(directory: Path, objective: str) -> dict[str, torch.Tensor]:
+    """The weights of an --init-from directory: a run directory's latest checkpoint (through
+    app.export), or a Hugging Face model directory loaded as the objective's model."""
+    if is_run_dir(directory):
+        from app.export import latest_of, run_weights  # app.export imports this module
+        return run_weights(*latest_of(directory))
+    auto = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
+    try:
+        return auto.from_pretrained(directory, dtype=torch.float32).state_dict()
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"--init-from {directory}: weights not loadable "
+                        f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]})") \
+            from None
+
+
+# The LM head's bias on vocabulary rows an --init-from source lacks: exp(-1e4) is 0 in every
+# precision, so the warm start's loss is the source's over its own vocabulary.
+PADDING_ROW_BIAS = -1e4
+
+
+def load_init_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Copy the weights of the model in `directory` into `model` (fp32, in place; checked
+    compatible by check_init_config). The source's vocabulary may lack the run's tensor-core
+    padding rows (never a target): they get no probability (PADDING_ROW_BIAS)."""
+    source = _init_weights(directory, objective_of(model.config))
+    own = model.state_dict()
+    missing = [k for k in own if k not in source]
+    if missing:
+        raise UserError(f"--init-from {directory}: weights do not fit the model (missing "
+                        f"{missing[:3]})")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            got = source[name]
+            rows = min(got.shape[0], tensor.shape[0]) if got.dim() else 0
+            if got.shape == tensor.shape:
+                tensor.copy_(got)
+            elif got.shape[1:] == tensor.shape[1:]:  # the vocabulary's padding rows
+                tensor[:rows].copy_(got[:rows])
+                # no probability on them, as in the source (which has no such rows): zero
+                # vectors, and a head's bias far below every real token's
+                tensor[rows:] = 0.0 if tensor.dim() > 1 else PADDING_ROW_BIAS
+            else:
+                raise UserError(f"--init-from {directory}: {name} is {tuple(got.shape)}, the "
+                                f"model's {tuple(tensor.shape)}")

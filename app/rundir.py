@@ -79,12 +79,15 @@ class SkippedBatch(Schema):
     reason: str
 
 
-def read_skipped(run_dir: Path) -> frozenset[int]:
-    """The global batches this run skips (read at every start, so a resume skips them too)."""
+def read_skipped(run_dir: Path, since_step: int = 0) -> frozenset[int]:
+    """The global batches this run skips (read at every start, so a resume skips them too):
+    those skipped after `since_step`, where the run's sequence-length phase began (an earlier
+    phase's batch indices are of its own stream of samples)."""
     path = run_dir / SKIPPED
     if not path.is_file():
         return frozenset()
-    return frozenset(r["global_batch"] for _, r in read_jsonl(path, SkippedBatch))
+    return frozenset(r["global_batch"] for _, r in read_jsonl(path, SkippedBatch)
+                     if r["step"] > since_step)
 
 
 def add_skipped(run_dir: Path, record: dict[str, Any]) -> None:

@@ -13,10 +13,12 @@ from typing import Any, Callable
 
 from app import rundir
 from app.checkpoint import store as checkpoint
+from app.checkpoint.train_state import ONE_DOCUMENT_A_SAMPLE, phase_position
 from app.checkpoint.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
-from app.model import build_config, max_positions, parse_overrides, preset
+from app.model import (build_config, check_init_config, max_positions, parse_overrides, preset,
+                       read_init_config)
 from app.runtime.device import Device, attention_implementation
 from app.runtime.dist import World
 from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, validate_ds_config,
@@ -58,6 +60,8 @@ class Plan:
     """(checkpoint dir, tag) to resume from."""
     switch: Switch
     """The checkpoint's layout against this run's, and the run's layout history."""
+    init_from: Path | None = None
+    """A new run's starting weights (--init-from; None when resuming: the checkpoint has them)."""
 
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
@@ -72,17 +76,20 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     objective, model_config = settle_model(cfg, manifest, device, precision)
     stats, eval_sources = settle_data(cfg, sources, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
-    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs)
+    resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
+    phase = settle_phase(cfg, resume, gbs, stats, world.is_main)
+    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs, phase)
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
-                   torch_adam=device.torch_adam, hidden_size=model_config.hidden_size)
+                   torch_adam=device.torch_adam, hidden_size=model_config.hidden_size,
+                   grad_comm_dtype=cfg.grad_comm_dtype)
     for warning in validate_ds_config(ds, ds_path):
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
-    resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
     check_steps_left(resume, total_steps, cfg)
-    switch = settle_switch(resume, ds, world, gbs)
+    switch = settle_switch(resume, ds, world, gbs, phase)
+    init_from = settle_init(cfg, model_config, sources, resume, ds, world.is_main)
     if world.is_main:
         print_data(sources, stats, cfg.seq_len, gbs, total_steps)
     return Plan(cfg=cfg, device=device, world=world, sources=sources, manifest=manifest,
@@ -90,7 +97,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
                 precision=precision, total_steps=total_steps, warmup_steps=warmup,
                 lr_lambda=lr_lambda,
                 train_samples=tuple(st["num_samples"] for st in stats),
-                eval_sources=eval_sources, resume=resume, switch=switch)
+                eval_sources=eval_sources, resume=resume, switch=switch, init_from=init_from)
 
 
 def print_data(sources: Sources, stats: list[dict[str, Any]], seq_len: int, gbs: int,
@@ -126,9 +133,9 @@ def settle_deepspeed(cfg: TrainConfig, device: Device,
             ds_path = zero_config_path(1)
             raw_ds = load_ds_config(ds_path)
         elif is_main:
-            print("warning: bf16 at ZeRO-0 accumulates and all-reduces gradients in bf16; "
-                  "DeepSpeed allows fp32 accumulation from ZeRO-1 on (--zero 1: the same "
-                  "communication volume, optimizer states sharded)", file=sys.stderr)
+            print("warning: bf16 at ZeRO-0 accumulates gradients in bf16; DeepSpeed allows "
+                  "fp32 accumulation from ZeRO-1 on (--zero 1: optimizer states sharded, the "
+                  "parameters all-gathered after each step)", file=sys.stderr)
     return ds_path, raw_ds, precision
 
 
@@ -142,6 +149,8 @@ def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
                         f"{'an encoder (mlm)' if p.objective == 'mlm' else 'a decoder (clm)'}")
     eod = manifest["eod_token_id"]
     special = {"pad_token_id": manifest.get("pad_token_id")}
+    if objective == "mlm":  # the encoder families' [CLS]/[SEP] fields (app.model.Preset.ids)
+        special.update(cls_token_id=manifest.get("cls_token_id"), sep_token_id=eod)
     if objective == "clm":
         special.update(bos_token_id=manifest.get("bos_token_id", eod), eos_token_id=eod)
     attn = attention_implementation(cfg.attn, device, precision, cfg.packing)
@@ -182,14 +191,74 @@ def settle_data(cfg: TrainConfig, sources: Sources, objective: str,
     return train, tuple(with_eval)
 
 
-def settle_schedule(cfg: TrainConfig, global_batch: int) -> tuple[int, int, Callable]:
-    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens."""
+@dataclass(frozen=True)
+class Phase:
+    """A resume that changed --seq-len: where the run was (docs/recipes.md)."""
+
+    step: int
+    tokens_seen: int
+    old_seq_len: int
+    consumed_samples: int
+    """The checkpoint's stream position, in samples of `old_seq_len` tokens."""
+    position: int
+    """Where the run continues in the stream of this run's samples (phase_position)."""
+
+
+def settle_phase(cfg: TrainConfig, resume: tuple[Path, str] | None, global_batch: int,
+                 stats: list[dict[str, Any]], is_main: bool) -> Phase | None:
+    """The sequence-length phase a resume starts (None when --seq-len is the checkpoint's), and
+    the start-up line saying which samples it starts from."""
+    if resume is None:
+        return None
+    state = checkpoint.read_state(*resume)
+    old = int((state.get("run_config") or {}).get("seq_len") or cfg.seq_len)
+    if old == cfg.seq_len:
+        return None
+    consumed = int(state["consumed_samples"])
+    position = phase_position(consumed, old_seq_len=old, new_seq_len=cfg.seq_len,
+                              packing=cfg.packing, global_batch=global_batch)
+    phase = Phase(int(state["step"]), int(state["tokens_seen"]), old, consumed, position)
+    if is_main:
+        print(phase_line(phase, cfg, global_batch, stats), file=sys.stderr)
+    return phase
+
+
+def phase_line(phase: Phase, cfg: TrainConfig, global_batch: int,
+               stats: list[dict[str, Any]]) -> str:
+    """The start-up line of a sequence-length phase: where the run was, which samples it takes
+    next, and what carries over."""
+    how = ("one document a sample: the same position" if cfg.packing in ONE_DOCUMENT_A_SAMPLE
+           else f"the same {phase.consumed_samples * phase.old_seq_len:,} window tokens into "
+                f"the stream, to a whole global batch")
+    where = ""
+    if len(stats) == 1:
+        n = int(stats[0]["num_samples"])
+        where = (f", epoch {phase.position // n}, entries {phase.position % n:,}.. of its "
+                 f"permutation of {n:,} samples")
+    return (f"phase: --seq-len {phase.old_seq_len} -> {cfg.seq_len} at step {phase.step}: "
+            f"sample {phase.consumed_samples:,} of the {phase.old_seq_len}-token stream maps to "
+            f"sample {phase.position:,} of the {cfg.seq_len}-token stream ({how}); step "
+            f"{phase.step + 1} trains global batch {phase.position // global_batch:,} (samples "
+            f"{phase.position:,}-{phase.position + global_batch - 1:,}{where}); the step count, "
+            f"LR schedule and tokens seen ({phase.tokens_seen:,}) continue")
+
+
+def settle_schedule(cfg: TrainConfig, global_batch: int,
+                    phase: Phase | None = None) -> tuple[int, int, Callable]:
+    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens (after a
+    sequence-length phase: the steps done, then the tokens left at this phase's tokens a
+    step)."""
     total_steps = cfg.max_steps
     if cfg.max_tokens is not None:
-        total_steps = min(total_steps, math.ceil(cfg.max_tokens / (global_batch * cfg.seq_len)))
+        per_step = global_batch * cfg.seq_len
+        total_steps = min(total_steps, math.ceil(cfg.max_tokens / per_step) if phase is None
+                          else phase.step + math.ceil(max(cfg.max_tokens - phase.tokens_seen, 0)
+                                                      / per_step))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
     return total_steps, warmup, schedule_fn(warmup_steps=warmup, total_steps=total_steps,
-                                            decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)
+                                            decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio,
+                                            decay_fraction=cfg.decay_fraction,
+                                            decay_shape=cfg.decay_shape)
 
 
 def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: str,
@@ -211,6 +280,61 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: s
     if not checkpoint.check_files(where) and is_main and not is_universal(where):
         print(checkpoint.unverified_note(where), file=sys.stderr)
     return resume
+
+
+def settle_init(cfg: TrainConfig, model_config, sources: Sources, resume: tuple[Path, str] | None,
+                ds: dict[str, Any], is_main: bool) -> Path | None:
+    """--init-from checked against this run (architecture, geometry, vocabulary and tokenizer):
+    the directory to take the starting weights from, or None (no --init-from, or a resume)."""
+    if cfg.init_from is None:
+        return None
+    where = cfg.init_from
+    if resume is not None:
+        if is_main:
+            print(f"--init-from {where}: not used, the run continues from its checkpoint "
+                  f"{resume[0] / resume[1]}", file=sys.stderr)
+        return None
+    if not where.is_dir():
+        raise UserError(f"--init-from {where}: no such directory")
+    if zero_stage(ds) == 3:
+        raise UserError(f"--init-from {where}: not at ZeRO-3 (its model is built partitioned); "
+                        f"start at --zero 2 or lower, a resume may then switch to ZeRO-3")
+    vocab = int(sources.manifest["vocab_size"])
+    source = read_init_config(where)
+    check_init_config(model_config, source, vocab, where, cfg.model_name)
+    same = check_init_tokenizer(where, sources.items[0])
+    if is_main:
+        tag = (f" checkpoint {checkpoint.latest_tag(where / rundir.CHECKPOINTS)}"
+               if rundir.is_run_dir(where) else "")
+        print(f"init: weights from {where}{tag} ({source.model_type}, {source.vocab_size} tokens; "
+              f"{'the same tokenizer' if same else 'no tokenizer there: vocabulary size checked'}"
+              f"); a new run: step 1, fresh optimizer, LR schedule and data order",
+              file=sys.stderr)
+    return where
+
+
+def check_init_tokenizer(where: Path, source: Source) -> bool:
+    """The --init-from directory's tokenizer must map tokens to the ids the dataset holds (the
+    same vocabulary, token by token). False when it has none to compare (only config.json and
+    weights): the vocabulary size was checked."""
+    from tokenizers import Tokenizer
+
+    mine = source.path / source.manifest["tokenizer"].get("dir", TOKENIZER_DIR) / "tokenizer.json"
+    theirs = (where / rundir.TOKENIZER_DIR if rundir.is_run_dir(where) else where) \
+        / "tokenizer.json"
+    if not theirs.is_file():
+        return False
+    try:
+        vocab = Tokenizer.from_file(str(theirs)).get_vocab(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 - the Rust parser's errors: a corrupt file
+        raise UserError(f"{theirs}: not a tokenizer ({str(e).splitlines()[0][:80]})") from None
+    ours = Tokenizer.from_file(str(mine)).get_vocab(with_added_tokens=True)
+    if vocab != ours:
+        other = sorted(set(vocab.items()) ^ set(ours.items()), key=lambda kv: kv[1])[:1]
+        raise UserError(f"--init-from {where}: its tokenizer is not the dataset's ({mine}): "
+                        f"token ids differ (e.g. {other[0][0]!r} -> {other[0][1]}); a warm start "
+                        f"needs the data tokenized with the model's tokenizer")
+    return True
 
 
 def check_steps_left(resume: tuple[Path, str] | None, total_steps: int, cfg: TrainConfig) -> None:
@@ -240,7 +364,7 @@ class Switch:
 
 
 def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: World,
-                  global_batch: int) -> Switch:
+                  global_batch: int, phase: Phase | None = None) -> Switch:
     """Compare the checkpoint's layout with this run's; say what changes."""
     now = layout_of(ds, world.world_size)
     entry = {"step": 0, **asdict(now)}
@@ -262,17 +386,24 @@ def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: Wo
         print(f"resume: {tag_dir} was written with {saved}; this run is {now} ({how})",
               file=sys.stderr)
     if world.is_main and state["global_batch"] != global_batch:
+        position = state["consumed_samples"] if phase is None else phase.position
         print(f"resume: the global batch was {state['global_batch']} samples and is "
-              f"{global_batch} now: continuing from sample {state['consumed_samples']:,} "
+              f"{global_batch} now: continuing from sample {position:,} "
               f"(step {state['step']}); the step count and LR schedule continue from there",
               file=sys.stderr)
     return Switch(saved, now, history, convert)
 
 
+# Sample-layout settings a resume may change: --seq-len starts a phase (settle_phase), the
+# stream position mapped into the new samples (app.checkpoint.train_state.phase_position).
+PHASE_SETTINGS = ("seq_len",)
+
+
 def sample_layout(cfg: TrainConfig, objective: str) -> dict[str, Any]:
-    """The settings that decide which sample a stream position is (checkpoint.SAMPLE_LAYOUT)."""
+    """The settings that decide which sample a stream position is (checkpoint.SAMPLE_LAYOUT),
+    less those a phase may change."""
     values = {**cfg.to_dict(), "objective": objective}
-    return {k: values[k] for k in checkpoint.SAMPLE_LAYOUT}
+    return {k: values[k] for k in checkpoint.SAMPLE_LAYOUT if k not in PHASE_SETTINGS}
 
 
 def check_tokenizer_copy(data: Path, manifest: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from data_tools import manifest as mf
 from data_tools.errors import UserError
 from data_tools.indexed import FormatError, IndexedShard
+from data_tools.schema import check_regular
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,6 +149,7 @@ def decode(d: Path, m: dict[str, Any], n: int) -> list[dict[str, Any]]:
     from tokenizers import Tokenizer
 
     tok_json = d / m["tokenizer"].get("dir", mf.TOKENIZER_DIR) / "tokenizer.json"
+    check_regular(tok_json)  # a FIFO would hang the tokenizers library's read
     try:
         tok = Tokenizer.from_file(str(tok_json))
     except Exception as e:  # noqa: BLE001 - any failure means an unusable copy

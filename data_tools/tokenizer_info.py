@@ -14,11 +14,14 @@ import numpy as np
 from data_tools import manifest as mf
 from data_tools.errors import UserError
 from data_tools.indexed import token_dtype
+from data_tools.schema import check_regular, read_regular
 
 # What a tokenizer directory may hold that belongs to the tokenizer (copied into the dataset).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "*.model",
                    "chat_template.*")
+# What transformers may also read from it (the fallback: which tokenizer class).
+ALSO_READ = ("config.json",)
 
 
 class TokenizerInfo:
@@ -36,6 +39,7 @@ class TokenizerInfo:
         if not directory.is_dir():
             raise UserError(f"{directory}: not a directory (expected a tokenizer directory)")
         self.directory = directory
+        _check_regular_files(directory)
         from tokenizers import Tokenizer
 
         tok_json = directory / "tokenizer.json"
@@ -43,8 +47,9 @@ class TokenizerInfo:
         tokens = {n: _token_content(config.get(f"{n}_token")) for n in self._NAMES}
         max_len = config.get("model_max_length")
         if tok_json.is_file():
+            raw = read_regular(tok_json)
             try:
-                self.backend_json = tok_json.read_text(encoding="utf-8")
+                self.backend_json = raw.decode("utf-8")
                 backend = Tokenizer.from_str(self.backend_json)
             except Exception as e:  # noqa: BLE001 - any failure means a corrupt file
                 raise UserError(f"{tok_json}: corrupt tokenizer file ({_first_line(e)})") from None
@@ -83,12 +88,11 @@ class TokenizerInfo:
             path = directory / name
             if not path.is_file():
                 continue
+            raw = read_regular(path)
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
+                data = json.loads(raw.decode("utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise UserError(f"{path}: corrupt JSON ({_first_line(e)})") from None
-            except OSError as e:
-                raise UserError(f"{path}: cannot read ({e.strerror})") from None
             if not isinstance(data, dict):
                 raise UserError(f"{path}: expected a JSON object")
             config.update({k: v for k, v in data.items() if v is not None})
@@ -113,10 +117,7 @@ class TokenizerInfo:
         files = {}
         for f in sorted(self.directory.iterdir()):
             if f.is_file() and any(fnmatch.fnmatch(f.name, g) for g in TOKENIZER_FILES):
-                try:
-                    files[f.name] = f.read_bytes()
-                except OSError as e:
-                    raise UserError(f"{f}: cannot read ({e.strerror})") from None
+                files[f.name] = read_regular(f)
         files.setdefault("tokenizer.json", self.backend_json.encode("utf-8"))
         return files
 
@@ -145,6 +146,20 @@ class TokenizerInfo:
             (dest / name).write_bytes(data)
         return [{"name": f.name, "bytes": f.stat().st_size, "checksum": mf.file_checksum(f)}
                 for f in sorted(dest.iterdir()) if f.is_file()]
+
+
+def _check_regular_files(directory: Path) -> None:
+    """Refuse, naming it, a file of the directory that the tokenizer is read from (ours or
+    transformers') but that is not a regular file (data_tools.schema.open_regular): a FIFO
+    would hang the read, a device read without end, and a directory or FIFO named vocab.txt
+    would otherwise be passed over for a tokenizer without its vocabulary."""
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError as e:
+        raise UserError(f"{directory}: cannot list the directory ({e.strerror})") from None
+    for f in entries:
+        if f.name in ALSO_READ or any(fnmatch.fnmatch(f.name, g) for g in TOKENIZER_FILES):
+            check_regular(f, missing=f"{f}: a link to nothing (a dangling symbolic link)")
 
 
 def _token_content(value) -> str | None:

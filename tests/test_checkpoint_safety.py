@@ -205,3 +205,38 @@ def test_verify_names_a_missing_resized_or_changed_file(tmp_path):
     (tmp_path / "rng_rank1.pt").unlink()
     with pytest.raises(UserError, match=r"rng_rank1\.pt: missing"):
         manifest.verify(tmp_path)
+    os.mkfifo(tmp_path / "rng_rank1.pt")  # never opened: a FIFO would block the read
+    with pytest.raises(UserError, match=r"rng_rank1\.pt: not a regular file \(listed in"):
+        manifest.verify(tmp_path)
+
+
+def test_checksums_of_several_files_at_once_are_those_of_one_at_a_time(tmp_path, monkeypatch):
+    """The threads only share the work: each digest is its own file's, in order."""
+    files = []
+    for i, size in enumerate((0, 1, 3 << 20, 100, 1 << 20)):
+        files.append(tmp_path / f"f{i}")
+        files[-1].write_bytes(os.urandom(size))
+    serial = [manifest.checksum(f) for f in files]
+    assert len(set(serial)) == len(files)
+    monkeypatch.setattr(manifest, "HASH_THREADS", 3)
+    assert manifest.checksums(files) == serial
+    monkeypatch.setattr(manifest, "HASH_THREADS", 1)
+    assert manifest.checksums(files) == serial
+
+
+def test_latest_problem_says_what_latest_is(tmp_path):
+    from app.checkpoint import store
+
+    latest = tmp_path / "latest"
+    assert store.latest_problem(tmp_path) == f"{latest} is missing"
+    latest.symlink_to(tmp_path / "nowhere")
+    assert store.latest_problem(tmp_path) == f"{latest} is a dangling link"
+    latest.unlink()
+    os.mkfifo(latest)  # never opened: a FIFO would block the read
+    assert store.latest_problem(tmp_path) == f"{latest} is not a regular file"
+    assert store.latest_tag(tmp_path) is None
+    latest.unlink()
+    latest.write_text("global_step5")
+    assert store.latest_problem(tmp_path) == f"{latest} names no checkpoint ('global_step5')"
+    (tmp_path / TAG5).mkdir()
+    assert store.latest_problem(tmp_path) is None and store.latest_tag(tmp_path) == TAG5

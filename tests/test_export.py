@@ -28,7 +28,8 @@ def reference_logits(run, model) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, ref["logits"]
 
 
-def test_mlm_export_loads_with_the_trained_logits_and_fills_masks(mlm_dataset, tmp_path):
+def test_mlm_export_loads_with_the_trained_logits_and_fills_masks(mlm_dataset, tmp_path,
+                                                                  capsys):
     run, out = tmp_path / "run", tmp_path / "hf"
     check(run_app("train", "--data", mlm_dataset, "--out", run, *TINY, "--max-steps", "6",
                   "--log-every", "3"))
@@ -44,6 +45,10 @@ def test_mlm_export_loads_with_the_trained_logits_and_fills_masks(mlm_dataset, t
     tok = AutoTokenizer.from_pretrained(out)
     answers = fill(f"def main({tok.mask_token}):", top_k=3)
     assert len(answers) == 3 and all(tok.mask_token not in a["sequence"] for a in answers)
+    (run / "checkpoints" / "latest").unlink()  # tags there, none named: the message lists them
+    assert app_main(["export", str(run), "--out", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert "no 'latest' naming a checkpoint; its tags: global_step6: pass one with --tag" in err
 
 
 def test_zero3_clm_export_loads_with_the_trained_logits(clm_dataset, tmp_path):

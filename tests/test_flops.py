@@ -12,7 +12,7 @@ from app.model import PRESETS, build_config, build_model
 from data_tools.errors import UserError
 
 
-BLOCKS = ("BertLayer", "GPT2Block", "LlamaDecoderLayer")
+BLOCKS = ("BertLayer", "RobertaLayer", "ModernBertEncoderLayer", "GPT2Block", "LlamaDecoderLayer")
 
 
 def shape_of(name: str, vocab: int = 4096, **overrides) -> ModelShape:

@@ -125,7 +125,11 @@ def test_bf16_gradients_accumulate_in_fp32_where_deepspeed_allows(bf16_runs):
     assert one["engine"]["model_dtype"] == "torch.bfloat16"
     zero = engines[0]  # DeepSpeed refuses the mix at ZeRO-0: said at start-up
     assert zero["engine"]["grad_accum_dtype"] == "torch.bfloat16"
-    assert "bf16 at ZeRO-0 accumulates and all-reduces gradients in bf16" in bf16_runs[0][2]
+    assert "bf16 at ZeRO-0 accumulates gradients in bf16" in bf16_runs[0][2]
+    # summed across ranks in fp32 (--grad-comm-dtype's default), not DeepSpeed's bf16 (gpu-path
+    # C4); BF16_Optimizer fills its fp32 buffer during backward, where the reducer reads it
+    assert {e["engine"]["communication_data_type"] for e in engines.values()} == {"torch.float32"}
+    assert one["ds_config"]["bf16"]["immediate_grad_update"] is True
 
 
 @SLOW

@@ -223,3 +223,76 @@ def test_mpi_and_slurm_backends_start_python_themselves(tmp_path):
     one_error_line(launch("--dry-run", "--hostfile", str(hosts), "--launcher", "slurm",
                           "--stage-to", "/nvme/{node_rank}", "--", "x", env=env),
                    "works with the pdsh launcher or --no-ssh")
+
+
+def test_the_fabric_variables_reach_the_other_nodes_by_default(tmp_path):
+    """GLOO_*, FI_* (EFA), UCX_*, torch's NCCL and rendezvous switches, CUDA_* and
+    LD_LIBRARY_PATH (NCCL's net plugins) go without --env; CUDA_VISIBLE_DEVICES is launch.py's."""
+    hosts = hostfile(tmp_path, "hostA slots=1\nhostB slots=1\n")
+    fabric = {"GLOO_SOCKET_IFNAME": "eth9", "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1",
+              "UCX_TLS": "rc", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+              "TORCH_DISTRIBUTED_DEBUG": "INFO", "CUDA_HOME": "/usr/local/cuda",
+              "LD_LIBRARY_PATH": "/opt/aws-ofi-nccl/lib"}
+    env = {**os.environ, **fabric, "CUDA_VISIBLE_DEVICES": "0"}
+    r = launch("--dry-run", "--hostfile", str(hosts), "--", "--data", "x", "--out", "y", env=env)
+    assert r.returncode == 0, r.stderr  # eth9 is not here: the hosts' interfaces are checked there
+    names = r.stderr.split("forwarding ")[1].split(" (values")[0].split()
+    assert set(fabric) <= set(names) and "CUDA_VISIBLE_DEVICES" not in names
+
+
+@pytest.mark.parametrize("var, value", [("GLOO_SOCKET_IFNAME", "nosuch0"),
+                                        ("GLOO_SOCKET_IFNAME", "lo,nosuch0"),
+                                        ("NCCL_SOCKET_IFNAME", "nosuch"),
+                                        ("NCCL_SOCKET_IFNAME", "=l")])
+def test_an_interface_this_node_lacks_is_one_line(var, value):
+    env = {**os.environ, var: value}
+    one_error_line(launch("--dry-run", "--procs-per-node", "2", "--", "x", env=env),
+                   f"{var}={value}: no such network interface", "the master 127.0.0.1")
+    r = launch("--dry-run", "--no-ssh", "--nodes", "2", "--procs-per-node", "1", "--node-rank",
+               "1", "--master-addr", "node0", "--", "x", env=env)
+    one_error_line(r, f"{var}={value}: ", "the master node0")
+
+
+@pytest.mark.parametrize("var, value", [("GLOO_SOCKET_IFNAME", "lo"),
+                                        ("NCCL_SOCKET_IFNAME", "l"),  # NCCL's are prefixes
+                                        ("NCCL_SOCKET_IFNAME", "=lo"),
+                                        ("NCCL_SOCKET_IFNAME", "^docker")])
+def test_an_interface_this_node_has_passes(var, value):
+    r = launch("--dry-run", "--procs-per-node", "2", "--", "x", env={**os.environ, var: value})
+    assert r.returncode == 0, r.stderr
+
+
+def test_an_interface_without_a_route_to_the_master_is_one_line():
+    master = "10.255.255.1"  # not this node's, reached by its default route if it has one
+    if subprocess.run(["ip", "route", "get", master], capture_output=True).returncode != 0:
+        pytest.skip("this node has no route to 10.255.255.1 at all")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    r = launch("--dry-run", "--no-ssh", "--nodes", "2", "--procs-per-node", "1", "--node-rank",
+               "1", "--master-addr", master, "--", "x", env=env)
+    one_error_line(r, "GLOO_SOCKET_IFNAME=lo: interface lo", f"no route to the master {master}")
+
+
+def test_a_rank_takes_gloos_interface_from_nccls():
+    from app.runtime.dist import default_gloo_interface
+
+    env = {"NCCL_SOCKET_IFNAME": "nosuch,l"}  # prefixes, the first that matches an interface
+    note = default_gloo_interface(env)
+    assert note == "GLOO_SOCKET_IFNAME=lo (from NCCL_SOCKET_IFNAME=nosuch,l)"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"
+    for env in ({"NCCL_SOCKET_IFNAME": "=l"}, {"NCCL_SOCKET_IFNAME": "^docker"},
+                {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "eth7"}, {}):
+        before = dict(env)
+        assert default_gloo_interface(env) is None and env == before
+
+
+def test_a_rank_raises_its_open_file_limit_to_the_hard_one():
+    script = ("import resource; from app.runtime.dist import raise_open_file_limit as r; "
+              "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)); print(r()); print(r()); "
+              "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 64)")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=60, env=os.environ)
+    assert r.returncode == 0, r.stderr
+    first, second, raised = r.stdout.splitlines()
+    assert first.startswith("raised the open-file limit from 64 to ") and second == "None"
+    assert raised == "True"

@@ -7,8 +7,11 @@ from app.model import (PRESETS, build_config, build_model, config_from_dict, cou
 from data_tools.errors import UserError
 
 SPECIAL = {"pad_token_id": 0}
-# Published sizes with their vocabularies (BERT 30,522; GPT-2 50,257), within 3%.
+# Published sizes with their vocabularies (BERT 30,522; RoBERTa 50,265; ModernBERT 50,368;
+# GPT-2 50,257), within 3%.
 EXPECTED_PARAMS = {"bert-120m": (30522, 110e6), "bert-350m": (30522, 335e6),
+                   "roberta-base": (50265, 125e6), "roberta-large": (50265, 355e6),
+                   "modernbert-base": (50368, 149e6), "modernbert-large": (50368, 395e6),
                    "gpt-125m": (50257, 124e6), "gpt-350m": (50257, 355e6)}
 
 
@@ -77,8 +80,9 @@ def masked_positions(labels: torch.Tensor, slots: int) -> tuple[torch.Tensor, to
     return pos, out
 
 
-def test_sparse_mlm_head_gives_the_same_loss_and_gradients():
-    config = build_config("bert-tiny", vocab_size=500, special_ids=SPECIAL, dropout=0.0)
+@pytest.mark.parametrize("name", ["bert-tiny", "roberta-tiny", "modernbert-tiny"])
+def test_sparse_mlm_head_gives_the_same_loss_and_gradients(name):
+    config = build_config(name, vocab_size=500, special_ids=SPECIAL, dropout=0.0)
     dense = build_model(config, seed=1)
     sparse = build_model(config, seed=1, for_training=True)
     ids = torch.randint(1, 500, (3, 32))
@@ -95,3 +99,26 @@ def test_sparse_mlm_head_gives_the_same_loss_and_gradients():
     torch.testing.assert_close(sparse(input_ids=ids).logits, dense(input_ids=ids).logits)
     none = torch.full_like(mlm_labels, -100)
     assert sparse(input_ids=ids, mlm_positions=pos, mlm_labels=none).loss.item() == 0.0
+
+
+def test_mlm_by_architecture_and_long_context():
+    """Every encoder with a masked-LM head trains as MLM (not only model_type "bert"); RoBERTa
+    gives its first pad id + 1 positions to its offset, ModernBERT takes 8,192 tokens."""
+    from transformers import BertConfig, LlamaConfig, ModernBertConfig, RobertaConfig
+
+    assert [objective_of(c()) for c in (BertConfig, RobertaConfig, ModernBertConfig,
+                                        LlamaConfig)] == ["mlm", "mlm", "mlm", "clm"]
+    assert objective_of(BertConfig(is_decoder=True)) == "clm"
+    for pad in (0, 1, 5):
+        rob = build_config("roberta-tiny", vocab_size=300, special_ids={"pad_token_id": pad})
+        assert max_positions(rob) == 1024 and rob.max_position_embeddings == 1024 + pad + 1
+    mb = build_config("modernbert-tiny", vocab_size=300,
+                      special_ids={"pad_token_id": 0, "cls_token_id": 2, "sep_token_id": 3})
+    assert max_positions(mb) == 8192 and mb.layer_types[0] == "full_attention"
+    assert (mb.cls_token_id, mb.sep_token_id, mb.bos_token_id, mb.eos_token_id) == (2, 3, 2, 3)
+    # ids the dataset does not give are not left pointing outside the vocabulary (50,281)
+    bare = build_config("modernbert-tiny", vocab_size=300, special_ids=SPECIAL)
+    assert bare.cls_token_id is None and bare.pad_token_id == 0
+    model = build_model(bare, seed=0)
+    ids = torch.randint(1, 300, (1, 1100))  # past BERT's 512 and RoBERTa's 1,024 positions
+    assert model(input_ids=ids).logits.shape == (1, 1100, 300)

@@ -375,12 +375,16 @@ def test_an_unreachable_host_is_refused_before_start(sshd, mlm_dataset, tmp_path
 
 
 def test_term_to_launch_sh_stops_every_host_and_only_this_job(sshd, mlm_dataset, tmp_path):
+    """A TERM to launch.sh in the loop: every host's ranks save one checkpoint and launch.sh
+    exits 75, the ranks' own statuses brought back from their hosts (launch.py's is 1)."""
     hook = hook_dir(tmp_path)
     env = launch_env(hook, **sshd.env)
     hosts = tmp_path / "hosts"
     hosts.write_text("".join(f"{h} slots=1\n" for h in NODES))
+    out = tmp_path / "run"
     args = ["--hostfile", hosts, "--master-port", free_port(), "--env", "HOOK_DIR", "--env", MARK,
-            "--", "--data", mlm_dataset, "--out", tmp_path / "run", *TINY, "--max-steps", "100000"]
+            "--", "--data", mlm_dataset, "--out", out, *TINY, "--max-steps", "100000",
+            "--log-every", "1", "--save-every", "100000"]
     # another job's process on the same host, started the way pdsh starts ours
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                              env={**env, "DSPRETRAIN_LAUNCH_ID": "another-job"})
@@ -388,11 +392,11 @@ def test_term_to_launch_sh_stops_every_host_and_only_this_job(sshd, mlm_dataset,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
-        while len(rank_envs(hook)) < 2 and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.5)  # both ranks started, one over ssh on each host
+        while logged_steps(out) < 3 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)  # both ranks in the loop, one over ssh on each host
         assert proc.poll() is None and len(rank_envs(hook)) == 2
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        text, err = proc.communicate(timeout=180)
         assert other.poll() is None  # still running
     finally:
         for p in (proc, other):
@@ -400,6 +404,32 @@ def test_term_to_launch_sh_stops_every_host_and_only_this_job(sshd, mlm_dataset,
                 p.kill()
                 p.wait()
         assert_no_strays(env[MARK])
-    assert proc.returncode == 143, err[-3000:]
+    assert proc.returncode == 75, err[-3000:]
     assert "launch.sh: stopping the job (terminated)" in err
     assert "the job failed" not in err  # the hosts' exits were the stop's doing
+    assert "a stop signal at step" in text + err
+    tag = (out / "checkpoints" / "latest").read_text().strip()
+    assert int(tag.removeprefix("global_step")) >= 3 and (out / "checkpoints" / tag).is_dir()
+    exits = {e["DSPRETRAIN_EXIT_DIR"] for e in rank_envs(hook).values()}
+    assert len(exits) == 1 and not Path(exits.pop()).exists()  # collected, and removed
+
+
+def logged_steps(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum('"train/loss"' in line for line in path.read_text().splitlines())
+
+
+def test_an_interface_missing_on_a_host_is_refused_before_start(sshd, mlm_dataset, tmp_path):
+    hook = hook_dir(tmp_path)
+    env = launch_env(hook, **sshd.env, GLOO_SOCKET_IFNAME="nosuch0")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{h} slots=1\n" for h in NODES))
+    r = run_launch(["--hostfile", hosts, "--", "--data", mlm_dataset, "--out", tmp_path / "run",
+                    *ARGS], env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"launch.sh: error: {NODES[0]}: GLOO_SOCKET_IFNAME=nosuch0: no such")
+    assert f"the master {NODES[0]}" in line
+    assert not (tmp_path / "run").exists()

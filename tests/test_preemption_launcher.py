@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -21,14 +22,21 @@ EXIT_PREEMPTED = 75
 pytestmark = pytest.mark.multirank
 
 
+def cluster_default_nofile() -> None:
+    """A soft open-file limit of 1,024 (a common default), the hard one left as it is."""
+    resource.setrlimit(resource.RLIMIT_NOFILE,
+                       (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
 def start_job(data: Path, out: Path, max_steps: int, **env: str) -> subprocess.Popen:
-    """launch.sh with 2 ranks and a loader worker each, in a session of its own (setsid)."""
+    """launch.sh with 2 ranks and a loader worker each, in a session of its own (setsid), under
+    a soft open-file limit of 1,024."""
     args = ["--data", data, "--out", out, *TINY, "--num-workers", "1", "--model", "bert-tiny",
             "--max-steps", max_steps, "--save-every", 1000, "--log-every", 1]
     return subprocess.Popen(["bash", str(LAUNCH), "--procs-per-node", "2", "--",
                              *map(str, args)], cwd=REPO, env={**clean_env(), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=cluster_default_nofile)
 
 
 def signal_session(sid: int, signum: int) -> int:
@@ -58,6 +66,25 @@ def logged_steps(out: Path) -> int:
     return sum('"train/loss"' in line for line in path.read_text().splitlines())
 
 
+def tcp_sockets_of_rank(sid: int, rank: int) -> int:
+    """TCP sockets the python process of `rank` in session `sid` holds (/proc: fd -> inode)."""
+    for pid in subprocess.run(["pgrep", "-s", str(sid)], capture_output=True,
+                              text=True).stdout.split():
+        proc = Path("/proc", pid)
+        try:
+            env = proc.joinpath("environ").read_bytes().split(b"\0")
+            cmd = proc.joinpath("cmdline").read_bytes().split(b"\0")
+            inodes = {os.readlink(fd)[8:-1] for fd in proc.joinpath("fd").iterdir()
+                      if os.readlink(fd).startswith("socket:[")}
+            tcp = {line.split()[9] for t in ("tcp", "tcp6")
+                   for line in proc.joinpath("net", t).read_text().splitlines()[1:]}
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"app" in cmd and b"train" in cmd:
+            return len(inodes & tcp)
+    raise AssertionError(f"no rank {rank} in session {sid}")
+
+
 def finish(job: subprocess.Popen, sid: int, timeout: float = 180) -> str:
     try:
         text, _ = job.communicate(timeout=timeout)
@@ -71,10 +98,17 @@ def test_a_signal_to_every_process_of_the_job_saves_and_exits_75(mlm_dataset, tm
     out = tmp_path / "run"
     job = start_job(mlm_dataset, out, max_steps=40)
     wait_until(lambda: logged_steps(out) >= 3, job)
+    # the stop agreement rides on the job's group: rank 1 holds gloo's pair and listener for
+    # the world group and for DeepSpeed's clone of it, and the rendezvous store's client; a group
+    # of its own would add a pair and a listener (7 on main)
+    assert tcp_sockets_of_rank(job.pid, 1) <= 5
     assert signal_session(job.pid, signum) > 6  # launch.sh, runner, launch.py, 2 ranks, workers
     text = finish(job, job.pid)
     assert job.returncode == EXIT_PREEMPTED, text[-3000:]
     assert "Traceback" not in text
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard > 1024:  # the ranks took what the hard limit allows, and said so
+        assert "raised the open-file limit from 1024 to" in text
     tag = (out / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(tag.removeprefix("global_step"))
     assert 3 <= stopped_at < 40 and (out / "checkpoints" / tag).is_dir()

@@ -1,20 +1,26 @@
 """The anomaly policies of app.faults.recovery in process, on a fake run: a loader of per-batch
 losses, a train state, checkpoints that are state dicts (milliseconds; tests/test_faults.py runs
-the same policies end to end in real processes)."""
+the same policies end to end in real processes). A rollback onto a damaged checkpoint is also
+run for real, at the end."""
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from app import rundir
+from app.checkpoint import manifest
 from app.checkpoint.train_state import TrainState
 from app.faults import anomaly
 from app.faults.preemption import EXIT_PREEMPTED
 from app.faults.recovery import Recovery
 from data_tools.errors import Stopped
+from tests.helpers import REPO, TINY, check, clean_env, free_port, metrics, run_app
 
 GBS, SEQ = 4, 8  # samples a global batch, tokens a sample
 
@@ -71,11 +77,21 @@ class FakeRun:
     def check(self) -> bool:
         return self.recovery.check(self.rows(), self.rewind)
 
-    def save(self) -> None:
+    def save(self) -> str:
+        """A complete tag as app.checkpoint.store writes one: train_state.json, a model file,
+        the manifest last, then `latest` (the weights are the state dict kept here)."""
         tag = f"global_step{self.state.step}"
-        (self.ckpt_dir / tag).mkdir(parents=True)
+        tag_dir = self.ckpt_dir / tag
+        tag_dir.mkdir(parents=True)
+        (tag_dir / "train_state.json").write_text(json.dumps({
+            **self.state.state_dict(), "world_size": 1, "global_batch": GBS,
+            "dataset_fingerprint": "fake", "model_config": {}, "run_config": {},
+            "ds_config": {}, "manifest": manifest.NAME}))
+        (tag_dir / "mp_rank_00_model_states.pt").write_bytes(bytes(range(256)) * 64)
+        manifest.write(tag_dir, manifest.own_entries(tag_dir, 0))
         (self.ckpt_dir / "latest").write_text(tag)
         self.saved[tag] = self.state.state_dict()
+        return tag
 
     def rewind(self, tag: str) -> None:
         self.rewound.append(tag)
@@ -173,6 +189,82 @@ def test_no_checkpoint_to_roll_back_to_stops(tmp_path):
         run.check()
 
 
+def flip(path, n: int = 1024) -> None:
+    """Invert n bytes in the middle of a file (same size: only its checksum tells)."""
+    with open(path, "r+b") as f:
+        at = path.stat().st_size // 2 - n // 2
+        f.seek(at)
+        data = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_a_damaged_last_checkpoint_rolls_back_to_the_previous_good_one(tmp_path):
+    """Before: the rollback loaded `latest`'s tag, its verification failed and the run stopped
+    with the older good tag right there."""
+    run = FakeRun(tmp_path, losses={6: math.nan})
+    run.steps(2)
+    run.save()
+    run.steps(3)
+    bad = run.save()  # step 5
+    flip(run.ckpt_dir / bad / "mp_rank_00_model_states.pt")
+    run.steps(3)  # step 7 trains on batch 6: NaN
+    assert run.check() is True
+    assert run.rewound == ["global_step2"] and run.state.step == 2
+    note = [n for n in run.logger.notes if n.startswith("rollback: ")]
+    assert len(note) == 1 and "\n" not in note[0]
+    assert "global_step5 damaged" in note[0] and "mp_rank_00_model_states.pt" in note[0]
+    assert "moved aside to global_step5.damaged" in note[0]
+    assert note[0].endswith("rolling back to global_step2, the newest good checkpoint")
+    assert (run.ckpt_dir / "global_step5.damaged").is_dir()
+    assert not (run.ckpt_dir / bad).exists()  # the next save at step 5 starts clean
+    assert (run.ckpt_dir / "latest").read_text() == "global_step2"
+
+
+def test_an_interrupted_tag_is_deleted_and_passed_over(tmp_path):
+    run = FakeRun(tmp_path, losses={4: math.nan})
+    run.steps(2)
+    run.save()
+    run.steps(2)
+    cut = run.save()
+    (run.ckpt_dir / cut / manifest.NAME).unlink()  # the save never finished
+    run.steps(2)
+    assert run.check() and run.rewound == ["global_step2"]
+    assert "global_step4 interrupted" in run.logger.notes[-2] and "deleted" in run.logger.notes[-2]
+    assert not (run.ckpt_dir / cut).exists()
+
+
+def test_no_good_checkpoint_left_stops_naming_each_one(tmp_path):
+    run = FakeRun(tmp_path, losses={4: math.nan})
+    run.steps(2)
+    first = run.save()
+    run.steps(2)
+    second = run.save()
+    for tag in (first, second):
+        flip(run.ckpt_dir / tag / "mp_rank_00_model_states.pt")
+    run.steps(2)
+    wanted = (r"no good checkpoint to roll back to: global_step4 damaged \(.*"
+              r"mp_rank_00_model_states.pt.*; global_step2 damaged")
+    with pytest.raises(Stopped, match=wanted) as e:
+        run.check()
+    assert e.value.code == anomaly.EXIT_ANOMALY and run.rewound == []
+    assert "\n" not in str(e.value)
+
+
+def test_a_tag_past_the_current_step_is_not_rolled_back_to(tmp_path):
+    """A tag of a later step (another trajectory's, left by `--resume PATH` of an older tag) is
+    no rollback: the newest good tag at or before the step is."""
+    run = FakeRun(tmp_path)
+    run.steps(2)
+    run.save()
+    run.steps(8)
+    run.save()
+    run.state.load_state_dict(run.saved["global_step2"])  # resumed from step 2
+    run.losses[3] = math.nan
+    run.steps(2)  # step 4: batch 3
+    assert run.check() and run.rewound == ["global_step2"]
+
+
 def test_the_earliest_mark_over_all_ranks_decides(tmp_path):
     run = FakeRun(tmp_path)
     run.steps(6)
@@ -203,3 +295,58 @@ def test_a_stop_signal_after_an_anomaly_rolls_back_instead_of_saving(tmp_path):
     with pytest.raises(Stopped, match="a stop signal at step 3: .*global_step3 saved"):
         run.recovery.stop_for_signal(run.rows(), run.rewind, run.save)
     assert run.rewound == ["global_step3"] and list(run.saved) == ["global_step3"]
+
+
+# -- a real run: the checkpoint a rollback wants is damaged -------------------------------------
+
+REAL = [*TINY, "--dropout", "0", "--log-every", "5", "--save-every", "3", "--max-steps", "12"]
+
+
+@pytest.mark.slow
+def test_a_real_rollback_onto_a_damaged_tag_takes_the_previous_one(mlm_dataset, tmp_path):
+    """global_step6 is damaged once saved; step 8's batch is NaN; the check at step 9 rolls
+    back. Before: the rollback's load named the file and the run stopped (exit 2)."""
+    run = tmp_path / "run"
+    proc = check(run_app("train", "--data", mlm_dataset, "--out", run, *REAL,
+                         env=clean_env(DSPRETRAIN_TEST_POISON="7:nan",
+                                       DSPRETRAIN_TEST_DAMAGE_SAVE="6")))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("rollback: ")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "global_step6 damaged" in lines[0] and "mp_rank_00_model_states.pt" in lines[0]
+    assert lines[0].endswith("rolling back to global_step3, the newest good checkpoint")
+    assert "global_step3 (step 3)" in proc.stderr
+    assert (run / "checkpoints" / "global_step6.damaged").is_dir()
+    steps = [r["step"] for r in metrics(run) if "train/loss" in r]
+    assert steps[-1] == 12 and steps.count(5) == 2  # step 5 logged again after the rollback
+    assert (run / "checkpoints" / "latest").read_text().strip() == "global_step12"
+
+
+@pytest.mark.slow
+def test_a_real_rollback_with_no_good_tag_left_stops(mlm_dataset, tmp_path):
+    run = tmp_path / "run"
+    proc = run_app("train", "--data", mlm_dataset, "--out", run, *REAL,
+                   env=clean_env(DSPRETRAIN_TEST_POISON="3:nan", DSPRETRAIN_TEST_DAMAGE_SAVE="3"))
+    assert proc.returncode == anomaly.EXIT_ANOMALY, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "no good checkpoint to roll back to: global_step3 damaged" in proc.stderr
+    assert (run / "checkpoints" / "global_step3.damaged").is_dir()
+
+
+@pytest.mark.multirank
+def test_two_ranks_agree_on_the_tag_a_rollback_falls_back_to(mlm_dataset, tmp_path):
+    """The same damage on a 2-rank job (the real deepspeed launcher): every rank checks each tag
+    and they agree in a collective, so both load global_step3 and the job trains on to its end."""
+    run = tmp_path / "run"
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    proc = subprocess.run(
+        [launcher, "--num_gpus", "2", "--no_local_rank", "--master_port", str(free_port()),
+         "--module", "app", "train", "--data", str(mlm_dataset), "--out", str(run), *REAL],
+        cwd=REPO, env=clean_env(DSPRETRAIN_TEST_POISON="7:nan", DSPRETRAIN_TEST_DAMAGE_SAVE="6"),
+        capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    lines = [ln for ln in out.splitlines() if "rollback: passing over global_step6" in ln]
+    assert len(lines) == 1 and "rolling back to global_step3" in lines[0], out[-3000:]
+    assert (run / "checkpoints" / "global_step6.damaged").is_dir()
+    steps = [r["step"] for r in metrics(run) if "train/loss" in r]
+    assert steps[-1] == 12 and steps.count(5) == 2

@@ -55,3 +55,32 @@ def test_drives_a_torch_lambda_lr():
         opt.step()
         sched.step()
     assert seen == pytest.approx([1.0, 2.0, 2.0, 1.5, 1.0, 0.5, 0.0])
+
+
+@pytest.mark.parametrize("shape", ["1-sqrt", "linear", "cosine"])
+def test_wsd_holds_the_peak_then_decays_over_the_last_fraction(shape):
+    kw = dict(warmup_steps=5, total_steps=100, decay="wsd", min_lr_ratio=0.1,
+              decay_fraction=0.2, decay_shape=shape)
+    f = [lr_factor(s, **kw) for s in range(120)]
+    assert f[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert f[5:81] == [1.0] * 76  # stable: exactly the peak up to the decay's start (step 80)
+    assert all(a > b for a, b in zip(f[80:100], f[81:100]))  # strictly falling over the decay
+    assert f[100:] == pytest.approx([0.1] * 20)  # the floor at total_steps, flat after
+    half = {"1-sqrt": 1 - math.sqrt(0.5), "linear": 0.5, "cosine": 0.5}[shape]
+    assert f[90] == pytest.approx(0.1 + 0.9 * half)
+
+
+def test_wsd_extends_and_anneals_from_the_stable_phase():
+    """The stable phase does not depend on the run's length: a resume with another
+    --max-steps continues on the curve a run of that length has."""
+    short = schedule_fn(warmup_steps=10, total_steps=200, decay="wsd")
+    longer = schedule_fn(warmup_steps=10, total_steps=1000, decay="wsd")
+    assert [short(s) for s in range(160)] == [longer(s) for s in range(160)]
+    assert short(199) < 0.2 and longer(199) == 1.0
+
+
+@pytest.mark.parametrize("kw", [dict(decay_fraction=0.0), dict(decay_fraction=1.5),
+                                dict(decay_shape="step")])
+def test_bad_wsd_settings_are_user_errors(kw):
+    with pytest.raises(UserError):
+        check_schedule(warmup_steps=1, total_steps=10, decay="wsd", min_lr_ratio=0.1, **kw)

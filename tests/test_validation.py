@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from app.settle import check_learnable, check_vocabulary
 from data_tools import output
 from data_tools.errors import UserError
 from data_tools.schema import check_regular, read_json
-from tests.helpers import TINY, error_lines, run_app
+from tests.helpers import REPO, TINY, clean_env, error_lines, run_app
 
 BASE = json.loads(zero_config_path(0).read_text())
 
@@ -202,6 +203,57 @@ def test_a_fifo_hostfile_is_refused(tmp_path):
     os.mkfifo(tmp_path / "hosts")
     with pytest.raises(UserError, match="is a FIFO"):
         hostfile_slots(tmp_path / "hosts")
+
+
+NOT_REGULAR = {"fifo": "a FIFO", "dir": "a directory", "device": "a device"}
+
+
+def not_regular(path: Path, kind: str) -> Path:
+    """`path` made a FIFO with no writer, a directory, or a link to /dev/zero."""
+    path.unlink(missing_ok=True)
+    {"fifo": lambda: os.mkfifo(path), "dir": path.mkdir,
+     "device": lambda: path.symlink_to("/dev/zero")}[kind]()
+    return path
+
+
+@pytest.mark.timeout(60)  # the hang this guards against would otherwise be the suite's
+@pytest.mark.parametrize("name, kind", [
+    ("tokenizer.json", "fifo"), ("tokenizer.json", "dir"), ("tokenizer.json", "device"),
+    ("tokenizer_config.json", "fifo"), ("vocab.txt", "fifo"), ("config.json", "device")])
+def test_a_tokenizer_file_that_is_not_a_regular_file_is_named(wordpiece_tokenizer, tmp_path,
+                                                               name, kind):
+    """Before: a FIFO or a directory as tokenizer.json was passed over for transformers'
+    fallback, which failed saying something else; a FIFO vocab.txt gave a tokenizer without
+    its vocabulary."""
+    from data_tools.tokenizer_info import TokenizerInfo
+
+    tok = Path(shutil.copytree(wordpiece_tokenizer, tmp_path / "tok"))
+    bad = not_regular(tok / name, kind)
+    with pytest.raises(UserError) as e:
+        TokenizerInfo(tok)
+    assert str(e.value) == f"{bad}: is {NOT_REGULAR[kind]}, expected a regular file"
+
+
+@pytest.mark.timeout(120)
+def test_prepare_and_inspect_refuse_a_fifo_tokenizer_file(wordpiece_tokenizer, mlm_dataset,
+                                                          stdlib_dir, tmp_path):
+    """The commands, in processes of their own: exit 2, one line, no traceback, no hang (inspect
+    --decode read a FIFO tokenizer.json of a dataset for ever)."""
+    tok = Path(shutil.copytree(wordpiece_tokenizer, tmp_path / "tok"))
+    ds = Path(shutil.copytree(mlm_dataset, tmp_path / "ds"))
+    commands = {
+        not_regular(tok / "tokenizer.json", "fifo"): [
+            "prepare", "--input", stdlib_dir / "json", "--include", "*.py", "--tokenizer", tok,
+            "--out", tmp_path / "out"],
+        not_regular(ds / "tokenizer" / "tokenizer.json", "fifo"): ["inspect", "--decode", "2",
+                                                                     ds]}
+    for fifo, argv in commands.items():
+        proc = subprocess.run([sys.executable, "-m", "data_tools", *map(str, argv)], cwd=REPO,
+                              env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert error_lines(proc.stderr) == [f"python -m data_tools {argv[0]}: error: {fifo}: is "
+                                             f"a FIFO, expected a regular file"]
+    assert not (tmp_path / "out").exists()
 
 
 # -- a run that cannot learn ----------------------------------------------------------------

@@ -10,13 +10,16 @@ Who hashes what: each rank hashes the files it wrote (rank r: rng_rank{r}.pt and
 *_pp_rank_{r}_* partitions; rank 0 also every file without a rank), right after its own save;
 the entries are gathered to rank 0, which writes manifest.json once every rank's files are on
 disk. On several nodes a rank cannot see another node's local disk, so no rank hashes a file it
-did not write. Hashing files just written reads them from the page cache (bench: docs).
+did not write. Hashing files just written reads them from the page cache (bench: docs). A tag's
+files are hashed several at once (`checksums`): xxhash lets go of the GIL, so each file gets a
+core of its own where there are cores to spare, and the digests are those of one at a time.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from data_tools.schema import NonNegativeInt, Schema, read_json
 
 NAME = "manifest.json"
 ALGORITHM = "xxh3_64"
+HASH_THREADS = min(8, len(os.sched_getaffinity(0)))
 # rng_rank{R}.pt is ours; DeepSpeed's ZeRO partitions are (bf16_)zero_pp_rank_{R}_mp_rank_..
 RANK_RE = re.compile(r"^rng_rank(\d+)\.pt$|(?:^|_)pp_rank_(\d+)_")
 
@@ -55,6 +59,15 @@ def checksum(path: Path) -> str:
             return xxhash.xxh3_64(m).hexdigest()
 
 
+def checksums(paths: list[Path]) -> list[str]:
+    """`checksum` of each file, in order, up to HASH_THREADS files at a time."""
+    threads = min(len(paths), HASH_THREADS)
+    if threads < 2:
+        return [checksum(p) for p in paths]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(checksum, paths))
+
+
 def writer_of(name: str) -> int:
     """The rank that writes file `name` of a tag (0 for every file without a rank)."""
     m = RANK_RE.search(name)
@@ -63,9 +76,10 @@ def writer_of(name: str) -> int:
 
 def own_entries(tag_dir: Path, rank: int) -> dict[str, dict[str, Any]]:
     """This rank's files in `tag_dir`, hashed (call after this rank's save returned)."""
-    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != NAME)
-    return {str(p.relative_to(tag_dir)): {"size": p.stat().st_size, ALGORITHM: checksum(p)}
-            for p in files if writer_of(p.name) == rank}
+    files = sorted(p for p in tag_dir.rglob("*")
+                   if p.is_file() and p.name != NAME and writer_of(p.name) == rank)
+    return {str(p.relative_to(tag_dir)): {"size": p.stat().st_size, ALGORITHM: digest}
+            for p, digest in zip(files, checksums(files))}
 
 
 def gather_entries(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -95,18 +109,21 @@ def verify(tag_dir: Path) -> bool:
     manifest = read_json(path, ManifestFile)
     if manifest["algorithm"] != ALGORITHM:
         raise UserError(f"{path}: algorithm {manifest['algorithm']!r}, expected {ALGORITHM}")
+    todo = {}  # file -> its key in _verified: present, of its size, not read yet
     for name, entry in manifest["files"].items():
         f = tag_dir / name
         if not f.is_file():
-            raise UserError(f"{f}: missing (listed in {NAME}): the checkpoint is incomplete")
+            what = "not a regular file" if os.path.lexists(f) else "missing"
+            raise UserError(f"{f}: {what} (listed in {NAME}): the checkpoint is incomplete")
         stat = f.stat()
         if stat.st_size != entry["size"]:
             raise UserError(f"{f}: {stat.st_size} bytes, {entry['size']} when saved: the file "
                             f"is truncated or replaced")
         key = (str(f), stat.st_size, stat.st_mtime_ns, entry[ALGORITHM])
-        if key in _verified:  # read once per process (settle, then load)
-            continue
-        if checksum(f) != entry[ALGORITHM]:
+        if key not in _verified:  # read once per process (settle, then load)
+            todo[f] = key
+    for (f, key), digest in zip(todo.items(), checksums(list(todo))):
+        if digest != key[3]:
             raise UserError(f"{f}: checksum {ALGORITHM} differs from {NAME}'s: the file is "
                             f"corrupt (changed after the save)")
         _verified[key] = True

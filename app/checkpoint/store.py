@@ -15,12 +15,14 @@ train_state.json lets a resume be checked (and refused) before any process group
 is complete when its manifest matches its files: an interrupted save is known by what it lacks
 (no manifest), a damaged one by the file that differs, never by its age. `--resume auto` takes
 the newest complete tag (whatever `latest` says, or when it is gone) and clears the tags after
-it: interrupted ones are removed, damaged ones set aside as TAG.damaged. A save that fails (a
-full disk, a permission) removes its partial tag and leaves `latest` where it was.
+it: interrupted ones are removed, damaged ones set aside as TAG.damaged. A rollback does the same
+among the tags at or before its step (`choose_rollback`). A save that fails (a full disk, a
+permission) removes its partial tag and leaves `latest` where it was.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -87,7 +89,8 @@ def latest_problem(ckpt_dir: Path) -> str | None:
     """What is wrong with `latest` (None when it names a tag directory)."""
     path = ckpt_dir / LATEST
     if not path.is_file():
-        return f"{path} is missing"
+        return (f"{path} is missing" if not os.path.lexists(path) else
+                f"{path} is not a regular file" if path.exists() else f"{path} is a dangling link")
     text = path.read_bytes().decode("utf-8", errors="replace").strip()
     if not text:
         return f"{path} is empty"
@@ -274,6 +277,7 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
             manifest.write(tag_dir, entries)
         output.write_text_atomic(ckpt_dir / LATEST, tag)
         prune(ckpt_dir, keep_last)
+        faults.damage_after_save(step, tag_dir)
     barrier()  # no rank reads `latest` (or starts the next save) before it is written
     return tag_dir
 
@@ -314,15 +318,51 @@ def remove_partial_saves(ckpt_dir: Path) -> list[str]:
     removed = []
     for name in tags_after(ckpt_dir, tag):
         kind, why = tag_problem(ckpt_dir, name) or ("interrupted", "")
-        aside = ckpt_dir / f"{name}.damaged"
-        if kind == "interrupted" or aside.exists():
-            shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+        aside = set_aside(ckpt_dir, name, kind)
+        if aside is None:
             removed.append(name)
             continue
-        (ckpt_dir / name).rename(aside)
         print(f"moved {ckpt_dir / name} aside to {aside.name}: damaged ({why.split(': ')[0]}); "
               f"delete it once looked at", file=sys.stderr, flush=True)
     return removed
+
+
+def set_aside(ckpt_dir: Path, name: str, kind: str) -> Path | None:
+    """Clear tag `name`, which a later save would write into: an interrupted save is deleted
+    (None), a damaged tag is kept for a look as TAG.damaged (returned; deleted when one is
+    there already)."""
+    aside = ckpt_dir / f"{name}.damaged"
+    if kind == "interrupted" or aside.exists():
+        shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+        return None
+    (ckpt_dir / name).rename(aside)
+    return aside
+
+
+def choose_rollback(ckpt_dir: Path, step: int, device: torch.device,
+                    is_main: bool) -> tuple[str | None, list[str]]:
+    """The tag a rollback at step `step` loads: the newest complete, verified tag at or before
+    it, as `choose_auto` picks one for a resume; (None, ...) when no tag is good. Each tag
+    passed over is said in the list (kind, why, where it went); the main rank sets it aside
+    (`set_aside`: the run would save over it) and points `latest` at the tag taken. Every rank
+    checks each tag and they agree (a collective: every rank calls it), so all load the same."""
+    candidates = [t for t in all_tags(ckpt_dir) if step_of(t) <= step]
+    passed = []
+    for tag in candidates:
+        problem = tag_problem(ckpt_dir, tag)
+        if not any_rank(problem is not None, device):
+            if passed and is_main:
+                output.write_text_atomic(ckpt_dir / LATEST, tag)
+            barrier()  # the tags passed over are aside before any rank reads on
+            return tag, passed
+        kind, why = problem or ("damaged", "unreadable on another rank")
+        where = "moved aside to TAG.damaged" if kind == "damaged" else "deleted"
+        if is_main:
+            aside = set_aside(ckpt_dir, tag, kind)
+            where = f"moved aside to {aside.name}" if aside else "deleted"
+        passed.append(f"{tag} {kind} ({why}; {where})")
+    barrier()
+    return None, passed
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> list[str]:

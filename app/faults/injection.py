@@ -8,11 +8,13 @@ app.checkpoint.store), so the training loop's source holds no test lines.
     DSPRETRAIN_TEST_POISON=G:spike|nan         global batch G's loss is a spike, or NaN
     DSPRETRAIN_TEST_HANG=RANK:STEP             that rank hangs at that step (the watchdog)
     DSPRETRAIN_TEST_DIE_IN_SAVE=STEP           the process dies halfway through that step's save
+    DSPRETRAIN_TEST_DAMAGE_SAVE=STEP           that step's first save is damaged once complete
 """
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
 
@@ -88,6 +90,24 @@ def die_in_save(step: int, env: Mapping[str, str] = os.environ) -> None:
     step's save, after DeepSpeed wrote its files and before `latest` moved."""
     if env.get("DSPRETRAIN_TEST_DIE_IN_SAVE") == str(step):
         os._exit(137)
+
+
+_damaged: set[str] = set()
+
+
+def damage_after_save(step: int, tag_dir: Path, env: Mapping[str, str] = os.environ) -> None:
+    """DSPRETRAIN_TEST_DAMAGE_SAVE=STEP: once that step's first save is complete (its manifest
+    and `latest` written), 4 KB in the middle of its model states are inverted, the size kept:
+    damage under a finished checkpoint, which a rollback must find by the manifest."""
+    if env.get("DSPRETRAIN_TEST_DAMAGE_SAVE") != str(step) or str(step) in _damaged:
+        return
+    _damaged.add(str(step))
+    path = next(tag_dir.glob("mp_rank_*_model_states.pt"))
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2 - 2048)
+        data = f.read(4096)
+        f.seek(-len(data), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def slow_start(env: Mapping[str, str] = os.environ) -> None:

@@ -5,10 +5,10 @@ SIGTERM (what schedulers send before killing a job), SIGUSR1 (Slurm's `--signal`
 a run, so a signal during start-up (staging, conversion, the engine build) never kills a rank in
 the middle of a write: `stop_before_loop` ends the run at the next safe point, with nothing new to
 save. In the loop, at every step boundary the ranks agree on the flags: a one-integer all-reduce
-on a CPU (gloo) group, started at one boundary and read at the next, so it overlaps a whole step
-and never waits for the accelerator. When any rank asked to stop, every rank saves the same
-checkpoint and the run exits with EXIT_PREEMPTED; `--resume auto` continues exactly. A second
-Ctrl-C aborts at once.
+on the job's own process group, started at one boundary and read LAG boundaries later by every
+rank (`StopRequests`), so it needs no connection of its own and never waits for the accelerator.
+When any rank asked to stop, every rank saves the same checkpoint and the run exits with
+EXIT_PREEMPTED; `--resume auto` continues exactly. A second Ctrl-C aborts at once.
 
 A scheduler signals every process of the job: launch.sh, DeepSpeed's launcher (which exits with
 its own status), the ranks, their loader workers (which ignore these signals: their rank shuts
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections import deque
 
 from data_tools.errors import Stopped, UserError
 
@@ -86,9 +87,10 @@ def starting_stopped(error: BaseException) -> Stopped | None:
 
 
 def record_exit(code: int) -> None:
-    """This rank's exit status, for launch.sh (whose launcher child reports only its own)."""
+    """This rank's exit status, for launch.sh (whose launcher child reports only its own). On
+    another host than launch.sh's the directory is made here (private), and collected after."""
     where = os.environ.get(EXIT_DIR_ENV)
-    if not where or not os.path.isdir(where):
+    if not where or not _own_directory(where):
         return
     rank = os.environ.get("RANK", "0")
     try:
@@ -98,16 +100,51 @@ def record_exit(code: int) -> None:
         pass  # launch.sh then goes by the launcher's status
 
 
+def _own_directory(where: str) -> bool:
+    """`where` is a directory of this user (made now if missing, its parent being there)."""
+    try:
+        os.mkdir(where, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    return (os.path.isdir(where) and not os.path.islink(where)
+            and os.stat(where).st_uid == os.getuid())
+
+
+LAG = 2  # step boundaries between starting an agreement and reading it (see StopRequests)
+
+
 class StopRequests:
-    """The agreed stop of the ranks, on the flag `catch` set."""
+    """The agreed stop of the ranks, on the flag `catch` set.
+
+    No process group of its own: a second group (gloo) would join every rank to every other, a
+    socket per peer (~1,000 a rank at 1,024 ranks, over common open-file limits), and would need
+    its own network interface. The flag rides on the job's group instead, as a one-integer MAX
+    all-reduce on this rank's device (NCCL's rings and trees on a GPU; gloo's own mesh on CPU).
+
+    At every boundary each rank starts one such all-reduce, asynchronously, and reads the one it
+    started LAG boundaries earlier. On an accelerator the result is copied into pinned host memory
+    behind the collective (non_blocking, an event recorded after it), so reading it waits only if
+    the device is still LAG steps behind the host, which a real step never is; on CPU the reduced
+    tensor is the host's. Every rank reads the same boundary's result at the same boundary index,
+    so all of them stop at the same step, at most LAG + 1 steps after the signal.
+    """
 
     def __init__(self, several_ranks: bool):
-        import torch
-
         catch()  # where `build` did not already
-        self._group = torch.distributed.new_group(backend="gloo") if several_ranks else None
-        self._flag = torch.zeros(1, dtype=torch.int64)
-        self._work = None
+        self._several = several_ranks
+        self._ballots: deque = deque()  # agreements in flight, oldest first
+        if several_ranks:
+            import torch
+
+            from app.runtime.device import accelerator
+
+            acc = accelerator()
+            self._on = acc.current_device_name()  # this rank's device, bound by init
+            self._event = acc.Event  # None on CPU: the reduced tensor is already the host's
+            host = [torch.zeros(1, dtype=torch.int32) for _ in range(LAG)]  # host memory
+            self._pinned = [acc.pin_memory(t) for t in host]  # (a no-op on CPU)
 
     @property
     def requested(self) -> int:
@@ -115,13 +152,13 @@ class StopRequests:
 
     def agree_now(self) -> int:
         """Before the loop: the signal any rank got so far (0: none), the same on every rank."""
-        if self._group is None:
+        if not self._several:
             return self.requested
         import torch
 
-        flag = torch.tensor([self.requested], dtype=torch.int64)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        return int(flag.item())
+        flag = _int_tensor(self.requested, self._on)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item())  # one host sync, before the loop
 
     def start(self) -> None:
         """The loop begins: a signal from now on is answered with a checkpoint."""
@@ -129,23 +166,52 @@ class StopRequests:
         _in_loop = True
 
     def agreed(self) -> int:
-        """Called by every rank at every step boundary: the signal some rank got before the
-        previous boundary (0: none). The answer is a step late, the same on every rank."""
-        if self._group is None:
+        """Called by every rank at every step boundary: the signal some rank had got LAG
+        boundaries ago (0: none), the same on every rank."""
+        if not self._several:
             return self.requested
-        import torch
-
-        answer = 0
-        if self._work is not None:
-            self._work.wait()
-            answer = int(self._flag.item())  # a CPU tensor: no accelerator sync
-        self._flag = torch.tensor([self.requested], dtype=torch.int64)
-        self._work = torch.distributed.all_reduce(self._flag, op=torch.distributed.ReduceOp.MAX,
-                                                  group=self._group, async_op=True)
+        answer = self._read(self._ballots.popleft()) if len(self._ballots) == LAG else 0
+        self._ballots.append(self._vote(self.requested))
         return answer
 
+    def _vote(self, value: int) -> tuple:
+        """Start this rank's part of one agreement: (work, where the answer lands, event)."""
+        import torch
+
+        flag = _int_tensor(value, self._on)  # a fill kernel on a device: no host transfer
+        work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                            async_op=True)
+        if self._event is None:
+            return work, flag, None
+        work.wait()  # the current stream waits for the collective, the host does not
+        host = self._pinned.pop()
+        host.copy_(flag, non_blocking=True)
+        done = self._event()
+        done.record()
+        return work, host, done
+
+    def _read(self, ballot: tuple) -> int:
+        """The answer of an agreement started LAG boundaries ago (done by now, in practice)."""
+        work, host, done = ballot
+        if done is None:
+            work.wait()  # gloo on CPU: the reduction itself
+            return int(host[0])
+        done.synchronize()  # the copy behind it
+        self._pinned.append(host)
+        return int(host[0])
+
     def close(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        """Wait for the agreements still in flight (every rank started the same ones). A peer
+        that is gone fails them: the run's own error says why, so that one is not raised."""
+        try:
+            while self._ballots:
+                self._read(self._ballots.popleft())
+        except RuntimeError:  # torch.distributed's errors (DistError and the backends')
+            self._ballots.clear()
         release()
+
+
+def _int_tensor(value: int, device):
+    import torch
+
+    return torch.full((1,), value, dtype=torch.int32, device=device)

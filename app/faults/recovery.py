@@ -92,8 +92,9 @@ class Recovery:
                 **self.describe_batch(batch), "reason": found.describe()})
 
     def rollback(self, found: anomaly.Anomaly, rewind: Callable[[str], None]) -> None:
-        """Back to the last checkpoint (written before the anomaly: saves follow clean checks),
-        without the skipped batches, with the LR cooled down for a while."""
+        """Back to the newest good checkpoint (written before the anomaly: saves follow clean
+        checks; a damaged one passed over), without the skipped batches, with the LR cooled
+        down for a while."""
         rules, s = self.rules, self.state
         self._rollbacks = [x for x in self._rollbacks if x > s.step - rules.rollback_window]
         self._rollbacks.append(s.step)
@@ -102,10 +103,7 @@ class Recovery:
                           f"(steps {self._rollbacks}; the last: {found.describe()}); the evidence "
                           f"is in {self.run_dir / rundir.METRICS} (events) and "
                           f"{rundir.SKIPPED}", anomaly.EXIT_ANOMALY)
-        tag = checkpoint.latest_tag(self.ckpt_dir)
-        if tag is None:
-            raise Stopped(f"{found.describe()}, and no checkpoint to roll back to (save more "
-                          f"often: --save-every)", anomaly.EXIT_ANOMALY)
+        tag = self.rollback_tag(found)
         rewind(tag)  # the train state is the checkpoint's now, its cool-down too
         s.consumed_samples = skip_ahead(s.consumed_samples, self.global_batch, self.skip)
         s.cooldown.begin(s.step, rules.cooldown_steps, rules.cooldown_factor)
@@ -113,6 +111,23 @@ class Recovery:
         self._batch_of = {}
         self.logger.note(f"rolled back to {self.ckpt_dir / tag} (step {s.step}); the LR is "
                          f"cooled down for {rules.cooldown_steps} steps")
+
+    def rollback_tag(self, found: anomaly.Anomaly) -> str:
+        """The newest good checkpoint at or before this step (app.checkpoint.store
+        .choose_rollback): a damaged or interrupted tag is passed over for the previous one, in
+        one line; Stopped when no good tag is left."""
+        tag, passed = checkpoint.choose_rollback(self.ckpt_dir, self.state.step,
+                                                 self.monitor.device, self.is_main)
+        if tag is None and not passed:
+            raise Stopped(f"{found.describe()}, and no checkpoint to roll back to (save more "
+                          f"often: --save-every)", anomaly.EXIT_ANOMALY)
+        if tag is None:
+            raise Stopped(f"{found.describe()}, and no good checkpoint to roll back to: "
+                          f"{'; '.join(passed)}", anomaly.EXIT_ANOMALY)
+        if passed:
+            self.logger.note(f"rollback: passing over {'; '.join(passed)}: rolling back to "
+                             f"{tag}, the newest good checkpoint")
+        return tag
 
     def stop_for_signal(self, rows: list[list[float]], rewind: Callable[[str], None],
                         save: Callable[[], object] | None) -> NoReturn:

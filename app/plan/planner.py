@@ -2,13 +2,16 @@
 
 For ZeRO 0, 1, 2, 3 and 3 + offload: bytes per device by term (app.plan.memory), the largest micro
 batch that fits, the global batch, tokens/s and step time at an assumed MFU (app.telemetry.flops,
-app.telemetry.hardware), days and cost to train the token budget, and which stage to pick. Formulas:
-docs/plan.md. Nothing is downloaded or allocated: the model is built on PyTorch's meta device to
-count its parameters.
+app.telemetry.hardware), days and cost to train the token budget, and which stage to pick; then
+the network (app.plan.network): communication per step, the part compute does not hide, step time
+and scaling efficiency from 1 to N nodes, and the micro batch / gradient accumulation / stage that
+hides the communication. Formulas: docs/plan.md. Nothing is downloaded or allocated: the model is
+built on PyTorch's meta device to count its parameters.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import math
@@ -16,6 +19,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
+from app.plan import network
 from app.telemetry import hardware
 from app.telemetry.flops import ModelShape, flops_per_token, head_fraction
 from app.plan.memory import (GPU, GiB, OPTIMIZER_STATE_BYTES, DeviceProfile, MemoryPlan, ModelSize,
@@ -88,13 +92,7 @@ def zero_setups(hidden: int) -> list[ZeroSetup]:
 def setup_from_ds(ds: dict[str, Any], hidden: int, where: Any,
                   offload: bool | None = None) -> ZeroSetup:
     """The ZeroSetup a DeepSpeed config describes (its "auto" sizes filled as `app train` does)."""
-    from app.runtime.ds_config import fill_auto
-
-    kwargs = dict(micro_batch=1, grad_accum=1, world_size=1, precision="bf16", lr=1e-3,
-                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=False, where=where)
-    if "hidden_size" in inspect.signature(fill_auto).parameters:  # sizes "auto" from the width
-        kwargs["hidden_size"] = hidden
-    zero = fill_auto(ds, **kwargs).get("zero_optimization", {})
+    zero = setup_ds(ds, "bf16", where, hidden).get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     if offload is None:
         offload = stage == 3 and _offloaded(zero.get("offload_param"))
@@ -155,8 +153,29 @@ class PlanRequest:
     """Per-device runtime memory (CUDA context, NCCL); default app.plan.memory.GPU's."""
     fragmentation: float | None = None
     """Allowance on activations (default app.plan.memory.GPU's)."""
+    nodes: int | None = None
+    """Nodes the network section scales to (default: gpus / gpus_per_node)."""
+    interconnect: str | None = None
+    """A network preset (app.plan.network.INTERCONNECTS); default 25gbe unless --net-gbps."""
+    net_gbps: float | None = None
+    """Inter-node bandwidth per node, Gb/s (default: the preset's)."""
+    net_latency_us: float | None = None
+    """Latency of one ring step between nodes (default: the preset's, or the preset nearest
+    --net-gbps)."""
+    intra_gbps: float | None = None
+    """Bandwidth between the devices of a node, per device (default: the accelerator's)."""
+    comm_dtype: str | None = None
+    """Gradient reduction dtype (default: what the app's ds_config gives DeepSpeed)."""
+    compute_ms: float | None = None
+    """A measured one-node optimizer step (at --micro-batch and --grad-accum), replacing the
+    FLOPs/MFU estimate of compute."""
+    overlap_fraction: float = network.BACKWARD_FRACTION
+    """The share of a micro step a gradient reduction can hide behind (backward)."""
+    device_kind: str = "gpu"
+    """Which rows of network.OVERLAPPED apply: "cpu" for DeepSpeed's CPU accelerator."""
 
     def __post_init__(self) -> None:
+        self._check_network()
         for name in ("seq_len", "grad_accum", "gpus"):
             _positive(name, getattr(self, name))
         for name in ("micro_batch", "gpus_per_node", "vocab_size"):
@@ -178,9 +197,31 @@ class PlanRequest:
             raise UserError(f"--gpus {self.gpus}: not a multiple of --gpus-per-node "
                             f"{self.gpus_per_node}")
 
+    def _check_network(self) -> None:
+        if self.nodes is not None:
+            _positive("nodes", self.nodes)
+        for name in ("net_gbps", "intra_gbps", "compute_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UserError(f"--{_flag(name)} {value}: must be positive")
+        if self.net_latency_us is not None and not self.net_latency_us >= 0:
+            raise UserError(f"--net-latency-us {self.net_latency_us}: must be 0 or more")
+        if not 0 <= self.overlap_fraction <= 1:
+            raise UserError(f"--overlap-fraction {self.overlap_fraction}: must be in [0, 1]")
+        if self.interconnect is not None and self.interconnect not in network.INTERCONNECTS:
+            raise UserError(f"--interconnect {self.interconnect!r}: unknown (known: "
+                            f"{', '.join(network.INTERCONNECTS)})")
+        if self.compute_ms is not None and self.micro_batch is None:
+            raise UserError(f"--compute-ms {self.compute_ms}: give the --micro-batch it was "
+                            f"measured at")
+
     @property
     def per_node(self) -> int:
         return min(self.gpus_per_node or 8, self.gpus)
+
+    @property
+    def network_nodes(self) -> int:
+        return self.nodes or math.ceil(self.gpus / self.per_node)
 
 
 def _flag(name: str) -> str:
@@ -272,6 +313,170 @@ def recommend(stages: list[StagePlan], requested: int | None) -> tuple[int | Non
                f"parallelism{extra}")
 
 
+@dataclass(frozen=True)
+class NetworkSetup:
+    """The network the plan is for: the flags resolved against the presets."""
+
+    link: network.Link
+    nodes: int
+    """The network section's largest node count (the scaling goes 1, 2, 4 ... nodes)."""
+    interconnect: str | None
+    """The preset the bandwidth or latency came from (None: both given by flags)."""
+    assumed: bool
+    """No --interconnect nor --net-gbps: the default preset."""
+
+
+def network_setup(req: PlanRequest, accelerator: str | None) -> NetworkSetup:
+    """Bandwidth and latency from --interconnect, --net-gbps, --net-latency-us; a bare --net-gbps
+    takes the latency of the preset nearest in bandwidth; intra-node from the accelerator."""
+    preset = network.INTERCONNECTS[req.interconnect or network.DEFAULT_INTERCONNECT]
+    if req.net_gbps is not None and req.interconnect is None:
+        preset = network.nearest_interconnect(req.net_gbps)
+    intra_gbps, intra_us = network.intra_default(accelerator)
+    link = network.Link(inter_gbps=req.net_gbps or preset.gbps,
+                        inter_latency_us=(preset.latency_us if req.net_latency_us is None
+                                          else req.net_latency_us),
+                        intra_gbps=req.intra_gbps or intra_gbps, intra_latency_us=intra_us)
+    named = (req.interconnect is not None or req.net_gbps is None
+             or req.net_latency_us is None)
+    return NetworkSetup(link, req.network_nodes, preset.name if named else None,
+                        req.interconnect is None and req.net_gbps is None)
+
+
+def app_comm_dtype(stage: int, precision: str) -> str:
+    """The gradient reduction dtype `app train` gives DeepSpeed at `stage`: the train flag's
+    default where it has one, else `communication_data_type` of the filled ds_config, else
+    DeepSpeed's default (the run's precision)."""
+    from app.config import add_arguments as train_arguments
+    from app.runtime.ds_config import load_ds_config, zero_config_path
+
+    parser = argparse.ArgumentParser(add_help=False)
+    train_arguments(parser)
+    flag = parser.get_default("grad_comm_dtype")
+    if precision != "fp32" and flag in network.DTYPE_BYTES:
+        return flag
+    ds = setup_ds(load_ds_config(zero_config_path(stage)), precision, zero_config_path(stage))
+    given = str(ds.get("communication_data_type") or precision).lower()
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp": "fp32"}.get(
+        given, given if given in network.DTYPE_BYTES else precision)
+
+
+def setup_ds(ds: dict[str, Any], precision: str, where: Any,
+             hidden: int | None = None) -> dict[str, Any]:
+    """`ds` with its "auto" fields filled as `app train` fills them for `precision`."""
+    from app.runtime.ds_config import fill_auto
+
+    kwargs = dict(micro_batch=1, grad_accum=1, world_size=1, precision=precision, lr=1e-3,
+                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=False, where=where)
+    if hidden and "hidden_size" in inspect.signature(fill_auto).parameters:
+        kwargs["hidden_size"] = hidden  # sizes "auto" from the width
+    return fill_auto(ds, **kwargs)
+
+
+@dataclass(frozen=True)
+class StageNetwork:
+    """One stage's communication on the planned network, at the largest node count."""
+
+    job: network.Job
+    comm_dtype: str
+    at_nodes: network.StepTime
+    timed: bool
+    """False without a compute time (no peak TFLOP/s, no --compute-ms): only comm_ms holds."""
+    scaling: list[dict[str, Any]]
+    node_bytes: int
+    """Bytes a node sends over its inter-node link per optimizer step."""
+
+
+def compute_ms(req: PlanRequest, micro: int, grad_accum: int, peak: float | None,
+               fpt: float) -> float | None:
+    """One optimizer step's compute on one device: --compute-ms scaled by samples per device
+    from the micro batch and accumulation it was measured at, else FLOPs at the assumed MFU."""
+    if req.compute_ms is not None:
+        return req.compute_ms * (micro * grad_accum) / (req.micro_batch * req.grad_accum)
+    if peak is None:
+        return None
+    return 1000 * micro * grad_accum * req.seq_len * fpt / (req.mfu * peak * 1e12)
+
+
+def network_job(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, net: NetworkSetup,
+                micro: int, grad_accum: int, compute: float | None,
+                comm_dtype: str) -> network.Job:
+    """The stage's collectives at a micro batch and accumulation (compute 1 ms when unknown:
+    the communication itself does not depend on it)."""
+    p = info.size.parameters
+    return network.Job(
+        stage=setup.stage, params=p, per_node=req.per_node, link=net.link,
+        compute_ms=compute or 1.0, grad_accum=grad_accum, precision=req.precision,
+        comm_dtype=comm_dtype, backward_fraction=req.overlap_fraction, device=req.device_kind,
+        buckets={"reduce_bucket": setup.reduce_bucket, "allgather_bucket": setup.allgather_bucket,
+                 "prefetch_bucket": setup.prefetch_bucket,
+                 "allreduce_bucket": setup.allreduce_bucket},
+        zero3_gathers=1 if p <= setup.max_live_parameters else 2)
+
+
+def plan_network(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, stage: StagePlan,
+                 net: NetworkSetup, peak: float | None, fpt: float) -> StageNetwork:
+    dtype = req.comm_dtype or app_comm_dtype(setup.stage, req.precision)
+    compute = compute_ms(req, stage.micro_batch, req.grad_accum, peak, fpt)
+    job = network_job(req, info, setup, net, stage.micro_batch, req.grad_accum, compute, dtype)
+    rows = (job.scaling(net.nodes, stage.micro_batch * req.grad_accum * req.seq_len)
+            if compute is not None else [])
+    return StageNetwork(job, dtype, job.at(net.nodes), compute is not None, rows,
+                        network.node_bytes(job.collectives(), net.nodes, req.grad_accum))
+
+
+HIDDEN_SHARE = 0.10
+"""Communication counts as hidden when its exposed part is at most this share of the step."""
+MAX_GRAD_ACCUM = 64
+
+
+def _candidates(largest: int) -> list[int]:
+    """Micro batches to try: powers of two within memory, and the largest that fits."""
+    return sorted({m for m in (2 ** i for i in range(20)) if m <= largest} | {largest})
+
+
+def recommend_network(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup],
+                      stages: list[StagePlan], net: NetworkSetup, peak: float | None,
+                      fpt: float, dtypes: list[str]) -> str:
+    """The smallest batch per device (micro batch x accumulation, within memory) at which a
+    stage's exposed communication is at most HIDDEN_SHARE of the step at `net.nodes` nodes."""
+    if compute_ms(req, 1, 1, peak, fpt) is None:
+        return "no compute time to hide behind (give --gpu NAME, --peak-tflops or --compute-ms)"
+    best = fallback = None  # rows: ((samples per device, -tokens/s, stage), label, micro, gas, t)
+    for i, (setup, stage) in enumerate(zip(setups, stages)):
+        if setup.offload or stage.max_micro_batch < 1:
+            continue
+        for micro in _candidates(stage.max_micro_batch):
+            gas = 1
+            while gas <= MAX_GRAD_ACCUM:
+                job = network_job(req, info, setup, net, micro, gas,
+                                  compute_ms(req, micro, gas, peak, fpt), dtypes[i])
+                t = job.at(net.nodes)
+                tps = net.nodes * req.per_node * micro * gas * req.seq_len / t.step_ms * 1000
+                key = (micro * gas, -tps, i)
+                row = (key, setup.label, micro, gas, t)
+                if t.exposed_comm_ms <= HIDDEN_SHARE * t.step_ms:
+                    best = min(best, row) if best else row
+                    break
+                fallback = min(fallback, row, key=lambda r: r[0][1]) if fallback else row
+                gas *= 2
+    return _network_reason(req, net, best, fallback)
+
+
+def _network_reason(req: PlanRequest, net: NetworkSetup, best, fallback) -> str:
+    where = f"{net.link.inter_gbps:g} Gb/s per node, {net.nodes} node(s)"
+    if best is None and fallback is None:
+        return f"{where}: no stage fits"
+    (_, tps_neg, _), label, micro, gas, t = best or fallback
+    share = t.exposed_comm_ms / t.step_ms
+    what = (f"{label} at micro batch {micro} x grad accum {gas}" + (
+        " hides the communication" if best else
+        f" comes closest (nothing within grad accum {MAX_GRAD_ACCUM} hides it)"))
+    return (f"{where}: {what}: exposed {share:.0%} of a {t.step_ms:,.0f} ms step, "
+            f"{-tps_neg:,.0f} tokens/s, global batch "
+            f"{micro * gas * net.nodes * req.per_node:,} samples")
+
+
 def _gb(n: float) -> str:
     return f"{n / GiB:,.2f}"
 
@@ -299,6 +504,11 @@ class Plan:
     stages: list[StagePlan]
     pick: int | None
     reason: str
+    net: NetworkSetup
+    networks: list[StageNetwork]
+    """Per stage, in the order of `stages`."""
+    net_reason: str
+    """The micro batch / accumulation / stage that hides the communication (one sentence)."""
 
 
 def workload_for(req: PlanRequest, info: ModelInfo, seq_len: int | None = None,
@@ -338,8 +548,12 @@ def make_plan(req: PlanRequest, info: ModelInfo | None = None,
         raise UserError(nothing_fits(req, info, setups, device, budget))
     pick, reason = recommend(stages, req.micro_batch)
     fpt = flops_per_token(info.shape, req.seq_len, head_fraction(info.objective, req.mask_prob))
+    net = network_setup(req, acc.name if acc else None)
+    nets = [plan_network(req, info, su, st, net, peak, fpt) for su, st in zip(setups, stages)]
+    net_reason = recommend_network(req, info, setups, stages, net, peak, fpt,
+                                   [n.comm_dtype for n in nets])
     return Plan(req, info, device, acc.name if acc else None, budget, peak, tokens, fpt, stages,
-                pick, reason)
+                pick, reason, net, nets, net_reason)
 
 
 def nothing_fits(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup],
@@ -397,7 +611,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "max_micro_batch": s.max_micro_batch, "micro_batch": s.micro_batch,
             "global_batch": s.global_batch, "tokens_per_sec": s.tokens_per_sec,
             "step_time_s": s.step_time_s, "days": s.days, "cost": s.cost,
-            "recommended": i == plan.pick})
+            "recommended": i == plan.pick, "network": _network_json(plan.networks[i])})
     pick = plan.stages[plan.pick].memory.setup.label if plan.pick is not None else None
     return {
         "model": {"preset": req.model, "objective": info.objective, "model_type":
@@ -415,7 +629,28 @@ def to_json(plan: Plan) -> dict[str, Any]:
                    "price_per_gpu_hour": req.price_per_gpu_hour},
         "stages": stages,
         "recommendation": {"zero": pick, "reason": plan.reason},
+        "network": {"interconnect": plan.net.interconnect, "assumed": plan.net.assumed,
+                    "net_gbps": plan.net.link.inter_gbps,
+                    "net_latency_us": plan.net.link.inter_latency_us,
+                    "intra_gbps": plan.net.link.intra_gbps,
+                    "intra_latency_us": plan.net.link.intra_latency_us,
+                    "nodes": plan.net.nodes, "gpus_per_node": req.per_node,
+                    "compute_from": "measured" if req.compute_ms else "mfu",
+                    "overlap_fraction": req.overlap_fraction, "device_kind": req.device_kind,
+                    "recommendation": plan.net_reason},
     }
+
+
+def _network_json(n: StageNetwork) -> dict[str, Any]:
+    """A stage's network figures at the largest node count (times in ms per optimizer step)."""
+    at, last = n.at_nodes, (n.scaling[-1] if n.scaling else {})
+    return {"path": network.path_of(n.job.stage, n.job.precision), "comm_dtype": n.comm_dtype,
+            "comm_ms": at.comm_ms, "exposed_comm_ms": at.exposed_comm_ms if n.timed else None,
+            "step_ms": at.step_ms if n.timed else None,
+            "compute_ms": at.compute_ms if n.timed else None,
+            "tokens_per_sec": last.get("tokens_per_sec"), "efficiency": last.get("efficiency"),
+            "node_bytes_per_step": n.node_bytes, "collectives": at.parts,
+            "scaling": n.scaling}
 
 
 def render(plan: Plan) -> str:
@@ -438,8 +673,56 @@ def render(plan: Plan) -> str:
     width = max(len(r[0]) for r in rows)
     for label, cells in rows:
         lines.append(f"{label:<{width}}" + "".join(f"{c:>13}" for c in cells))
-    lines += ["", f"pick: {plan.reason}"]
+    lines += ["", f"pick: {plan.reason}", ""] + render_network(plan)
     return "\n".join(lines)
+
+
+def render_network(plan: Plan) -> list[str]:
+    """The network section: per stage at the largest node count, and efficiency by node count."""
+    req, net, link = plan.request, plan.net, plan.net.link
+    source = (f"{net.interconnect} preset" if net.interconnect else "flags") + (
+        ", assumed: give --interconnect or --net-gbps" if net.assumed else "")
+    compute = (f"compute: measured {req.compute_ms:g} ms per step at micro batch "
+               f"{req.micro_batch} x {req.grad_accum}" if req.compute_ms else
+               "compute: FLOPs at the assumed MFU" if plan.peak_tflops else
+               "compute: unknown (no peak TFLOP/s), so communication only")
+    lines = [f"network: {link.inter_gbps:,g} Gb/s per node, {link.inter_latency_us:g} us per "
+             f"ring step ({source}); {link.intra_gbps:,g} Gb/s between a node's devices; "
+             f"{net.nodes} node(s) x {req.per_node}; {compute}"]
+    rows = _network_rows(plan)
+    width = max(len(r[0]) for r in rows)
+    lines += [f"{label:<{width}}" + "".join(f"{c:>13}" for c in cells) for label, cells in rows]
+    return lines + ["", f"network pick: {plan.net_reason}"]
+
+
+def _network_rows(plan: Plan) -> list[tuple[str, list[str]]]:
+    nets, n = plan.networks, plan.net.nodes
+
+    def row(label: str, values: list[Any], fmt) -> tuple[str, list[str]]:
+        return label, [("-" if v is None else fmt(v)) for v in values]
+
+    def ms(v: float) -> str:
+        return f"{v:,.1f}"
+
+    timed = [x.timed for x in nets]
+    rows = [
+        (f"per optimizer step, {n} node(s)",
+         [s.memory.setup.label.replace(" + offload", "+off") for s in plan.stages]),
+        row("gradient comm dtype", [x.comm_dtype for x in nets], str),
+        row("GB sent per node", [x.node_bytes for x in nets], _gb),
+        row("communication (ms)", [x.at_nodes.comm_ms for x in nets], ms),
+        row("exposed (ms)", [x.at_nodes.exposed_comm_ms if t else None
+                             for x, t in zip(nets, timed)], ms),
+        row("step time (ms)", [x.at_nodes.step_ms if t else None for x, t in zip(nets, timed)],
+            ms),
+        row("tokens/s", [x.scaling[-1]["tokens_per_sec"] if x.scaling else None for x in nets],
+            lambda v: f"{v:,.0f}"),
+    ]
+    for i, count in enumerate(network.node_counts(n)):
+        rows.append(row(f"efficiency, {count} node(s)",
+                        [x.scaling[i]["efficiency"] if x.scaling else None for x in nets],
+                        lambda v: f"{v:.2f}"))
+    return rows
 
 
 def _rows(plan: Plan) -> list[tuple[str, list[str]]]:
@@ -488,7 +771,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     a("--gradient-checkpointing", dest="checkpointing", action="store_true",
       help="plan with activation checkpointing")
-    a("--gpus", type=int, default=1, metavar="N", help="devices in the whole job (default 1)")
+    a("--gpus", type=int, metavar="N", help="devices in the whole job (default 1, or --nodes x "
+      "--gpus-per-node)")
     a("--gpus-per-node", type=int, metavar="N", help="devices per node (default min(gpus, 8))")
     mem = parser.add_mutually_exclusive_group()
     mem.add_argument("--gpu", metavar="NAME", help=f"accelerator: {', '.join(hardware.names())} "
@@ -506,17 +790,90 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       f"{GPU.runtime_bytes / GiB:g})")
     a("--fragmentation", type=float, metavar="F", help="allowance on activations (default "
       f"{GPU.fragmentation:g})")
+    add_network_arguments(parser)
     a("--json", action="store_true", help="print JSON instead of the table")
+    a("--plot", metavar="PATH", help="write the predicted scaling efficiency against nodes, per "
+      "stage, as a PNG")
+
+
+def add_network_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--nodes", type=int, metavar="N", help="nodes the network section scales to (default: "
+      "gpus / gpus-per-node; without --gpus, --gpus is N x gpus-per-node)")
+    a("--interconnect", metavar="NAME", help="network preset: " + ", ".join(
+        f"{i.name} ({i.gbps:g} Gb/s, {i.latency_us:g} us)" for i in
+        network.INTERCONNECTS.values()) + f" (default {network.DEFAULT_INTERCONNECT})")
+    a("--net-gbps", type=float, metavar="G", help="inter-node bandwidth per node, Gb/s (shared "
+      "by its devices; default: the preset's)")
+    a("--net-latency-us", type=float, metavar="US", help="latency of one message between "
+      "nodes (default: the preset's, or the preset's nearest --net-gbps)")
+    a("--intra-gbps", type=float, metavar="G", help="bandwidth between a node's devices, per "
+      "device, Gb/s (default: the accelerator's NVLink/PCIe figure)")
+    a("--comm-dtype", choices=sorted(network.DTYPE_BYTES), help="gradient reduction dtype "
+      "(default: what app train gives DeepSpeed)")
+    a("--compute-ms", type=float, metavar="MS", help="a measured one-node optimizer step at "
+      "--micro-batch and --grad-accum: replaces the FLOPs/MFU estimate")
+    a("--overlap-fraction", type=float, default=network.BACKWARD_FRACTION, metavar="F",
+      help="share of a micro step that hides an overlapped gradient reduction (default 2/3: "
+      "backward)")
+    a("--device-kind", default="gpu", choices=("gpu", "cpu"), help="which overlap assumptions "
+      "apply: cpu for DeepSpeed's CPU accelerator (a simulated cluster), whose side streams are "
+      "no-ops (default gpu)")
 
 
 def run(args: argparse.Namespace) -> int:
     names = set(PlanRequest.__dataclass_fields__)
+    if args.gpus is None:
+        args.gpus = args.nodes * (args.gpus_per_node or 8) if args.nodes else 1
     req = PlanRequest(**{k: v for k, v in vars(args).items() if k in names and k != "model_args"},
                       model_args=tuple(args.model_args))
-    plan = make_plan(req)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import logs to stdout
+        plan = make_plan(req)
+    if args.plot:
+        write_plot(plan, args.plot)
     if args.json:
         json.dump(to_json(plan), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(render(plan))
     return 0
+
+
+def write_plot(plan: Plan, path: str) -> None:
+    """The predicted scaling efficiency against nodes per stage (the paper's Figure 1)."""
+    from pathlib import Path
+
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError(f"--plot {path}: matplotlib is not installed") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    if not any(n.scaling for n in plan.networks):
+        raise UserError(f"--plot {path}: no compute time to plot against (give --gpu NAME, "
+                        f"--peak-tflops or --compute-ms)")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (stage, n) in enumerate(zip(plan.stages, plan.networks)):
+        xs = [r["nodes"] for r in n.scaling]
+        ax.plot(xs, [r["efficiency"] for r in n.scaling], "o--" if stage.memory.setup.offload
+                else "o-", color=f"C{i}", label=stage.memory.setup.label)
+    ax.axhline(1.0, color="gray", linestyle=":", label="ideal")
+    link = plan.net.link
+    ax.set_title(f"{plan.request.model}: predicted scaling efficiency, "
+                 f"{link.inter_gbps:g} Gb/s per node")
+    ax.set_xlabel(f"nodes ({plan.request.per_node} device(s) each)")
+    ax.set_ylabel("efficiency (tokens/s per device against one node)")
+    ax.set_xscale("log", base=2)
+    xs = network.node_counts(plan.net.nodes)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_ylim(0, 1.1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(Path(path), format="png", dpi=100)
+    except OSError as e:
+        raise UserError(f"--plot {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)

@@ -8,7 +8,9 @@ a no-op in a world of one.
 from __future__ import annotations
 
 import os
+import resource
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +74,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def raise_open_file_limit() -> str | None:
+    """Raise this process's soft open-file limit to its hard one; a line saying so, if it was.
+
+    Every socket is a file descriptor: gloo's group on CPU holds one per other rank, NCCL a few
+    per ring and tree neighbour, and the loader, the logs and the accelerator hold their own. A
+    soft limit of 1,024 (still a common default, below the hard one) then ends a large job in
+    EMFILE, so a rank takes what the administrator allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else _kernel_open_file_max()
+    if target is None or (soft != resource.RLIM_INFINITY and soft >= target):
+        return None
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return None  # a container may refuse it: the soft limit stands
+    return f"raised the open-file limit from {soft} to {target} (the hard limit)"
+
+
+def _kernel_open_file_max() -> int | None:
+    """The most descriptors a process can have (fs.nr_open): the cap of an unlimited hard limit."""
+    try:
+        return int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def default_gloo_interface(env: dict[str, str] | None = None) -> str | None:
+    """GLOO_SOCKET_IFNAME from NCCL_SOCKET_IFNAME when only the latter is set; a line saying so.
+
+    A cluster that needs NCCL_SOCKET_IFNAME (hostnames resolving to the wrong network) needs the
+    same for gloo, which otherwise takes the hostname's address, or loopback. NCCL's value may be
+    prefixes ("eth" is eth0, eth1, ...) or exact names ("=eth0"), gloo's must be a name: the first
+    interface of this node that NCCL's value selects. An exclusion list ("^docker") says nothing
+    about which one to use and is left alone."""
+    env = os.environ if env is None else env
+    nccl = env.get("NCCL_SOCKET_IFNAME", "")
+    if env.get("GLOO_SOCKET_IFNAME") or not nccl or nccl.startswith("^"):
+        return None
+    exact = nccl.startswith("=")
+    wanted = [w for w in nccl.lstrip("=").split(",") if w]
+    here = [name for _, name in socket.if_nameindex()]
+    chosen = next((name for w in wanted for name in here
+                   if name == w or (not exact and name.startswith(w))), None)
+    if chosen is None:
+        return None  # launch.sh's pre-flight names the interface that is not here
+    env["GLOO_SOCKET_IFNAME"] = chosen
+    return f"GLOO_SOCKET_IFNAME={chosen} (from NCCL_SOCKET_IFNAME={nccl})"
+
+
 def init_distributed(device: Device, timeout_minutes: float = 30.0) -> World:
     """Join the process group; a bare `python -m app train` becomes a world of one. A collective
     that waits longer than `timeout_minutes` for a rank fails the job (DeepSpeed's default: 10)."""
@@ -84,6 +135,9 @@ def init_distributed(device: Device, timeout_minutes: float = 30.0) -> World:
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())})
     bind(device, int(os.environ.get("LOCAL_RANK", 0)))
+    for note in (raise_open_file_limit(), default_gloo_interface()):
+        if note and os.environ.get("RANK") == "0":
+            print(note, file=sys.stderr)
     load_op("ShareMemCommBuilder")
     try:
         deepspeed.init_distributed(dist_backend=device.backend, auto_mpi_discovery=False,

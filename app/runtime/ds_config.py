@@ -175,11 +175,13 @@ PERSISTENCE_PER_HIDDEN = 10
 def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_size: int,
               precision: str, lr: float, betas: tuple[float, float], eps: float,
               weight_decay: float, pin_memory: bool, where: Path,
-              torch_adam: bool = False, hidden_size: int | None = None) -> dict[str, Any]:
+              torch_adam: bool = False, hidden_size: int | None = None,
+              grad_comm_dtype: str | None = None) -> dict[str, Any]:
     """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill.
     `torch_adam` (Device.torch_adam) picks torch's AdamW over DeepSpeed's compiled one unless the
     config says which, or offloads the optimizer (DeepSpeed's CPU Adam then). `hidden_size`, the
-    model's width, sizes the ZeRO-3 persistence threshold (PERSISTENCE_PER_HIDDEN)."""
+    model's width, sizes the ZeRO-3 persistence threshold (PERSISTENCE_PER_HIDDEN).
+    `grad_comm_dtype` (--grad-comm-dtype) sets communication_data_type (`_fill_comm_dtype`)."""
     ds = copy.deepcopy(ds)
     batch = {"train_micro_batch_size_per_gpu": micro_batch,
              "gradient_accumulation_steps": grad_accum,
@@ -195,6 +197,7 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     _fill_optimizer(ds, {"lr": lr, "betas": list(betas), "eps": eps,
                          "weight_decay": weight_decay}, where)
     _fill_precision(ds, precision)
+    _fill_comm_dtype(ds, precision, grad_comm_dtype, where)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     opt = ds["optimizer"]
     offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
@@ -276,7 +279,8 @@ def _differs(given: Any, flags: Any) -> bool:
 
 def _fill_precision(ds: dict[str, Any], precision: str) -> None:
     """Enable the run's precision; bf16 accumulates gradients in fp32 where DeepSpeed allows it
-    (ZeRO 1-3; at ZeRO-0 it refuses the mix and accumulates and all-reduces them in bf16)."""
+    (ZeRO 1-3; at ZeRO-0 it refuses the mix and accumulates them in bf16), at ZeRO-1 during
+    backward (`immediate_grad_update`)."""
     for name in ("bf16", "fp16"):
         section = ds.get(name)
         if isinstance(section, dict) and section.get("enabled") == "auto":
@@ -285,6 +289,25 @@ def _fill_precision(ds: dict[str, Any], precision: str) -> None:
         ds[precision] = {"enabled": True}  # a file without the section runs what we report
     if precision == "bf16" and zero_stage(ds) >= 1 and "data_types" not in ds:
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    if precision == "bf16" and zero_stage(ds) == 1 and isinstance(ds.get("bf16"), dict):
+        # BF16_Optimizer adds each bf16 gradient to its fp32 buffer in the gradient's hook,
+        # during backward, so the app's reducer can send it from there (app.runtime.overlap)
+        ds["bf16"].setdefault("immediate_grad_update", True)
+
+
+def _fill_comm_dtype(ds: dict[str, Any], precision: str, flag: str | None, where: Path) -> None:
+    """The dtype gradients are summed in across ranks: --grad-comm-dtype, else the file's
+    communication_data_type, else fp32 (DeepSpeed's own default is the weights' dtype: bf16
+    gradients summed in bf16; docs/gpu.md). fp16 runs keep DeepSpeed's fp16 unless the flag says
+    otherwise."""
+    given = ds.get("communication_data_type")
+    if given is not None and given != "auto" and flag is not None and given != flag:
+        raise UserError(f"{where}: key 'communication_data_type' is {given!r} but "
+                        f"--grad-comm-dtype gives {flag!r} (drop one, or make them agree)")
+    if flag is not None:
+        ds["communication_data_type"] = flag
+    elif given == "auto" or (given is None and precision != "fp16"):
+        ds["communication_data_type"] = "fp16" if precision == "fp16" else "fp32"
 
 
 class _ReadKeys(dict):

@@ -13,7 +13,8 @@ from typing import Any, Callable
 import torch
 
 from app.runtime.ops import load_op, optimizer_op
-from app.runtime.patches import share_fp32_partitions, skip_lone_allreduce
+from app.runtime.overlap import GradReducer, switched_off
+from app.runtime.patches import local_zero1_reduction, share_fp32_partitions, skip_lone_allreduce
 
 
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
@@ -33,7 +34,84 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
                                            config=ds_config, lr_scheduler=scheduler)
     share_fp32_partitions(engine)
     skip_lone_allreduce(engine)
+    engine.app_grad_reduction = overlap_reduction(engine)
     return engine
+
+
+def overlap_reduction(engine) -> str:
+    """Reduce gradients during backward where DeepSpeed would reduce them after it (ZeRO-0;
+    ZeRO-1 with gradients in `param.grad`): the app's bucketed reducer (app.runtime.overlap) takes
+    the boundary's reduction over. Returns how this run reduces its gradients, and why, for the
+    start-up line and config.json."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    stage, opt = engine.zero_optimization_stage(), engine.optimizer
+    dtype = str(engine.communication_data_type).removeprefix("torch.")
+    if engine.dp_world_size == 1:
+        return "no reduction (one rank)"
+    if getattr(engine, "has_moe_layers", False) or engine.pipeline_parallelism \
+            or getattr(engine, "sequence_parallel_size", 1) > 1:
+        return f"DeepSpeed's all-reduce in {dtype} after backward (not overlapped: MoE, " \
+               f"pipeline or sequence parallel)"
+    zero1 = (stage == 1 and isinstance(opt, DeepSpeedZeroOptimizer)
+             and not opt.partition_gradients and not opt.overlap_comm and not opt.cpu_offload
+             and not getattr(opt, "use_grad_accum_attribute", True))
+    bf16 = isinstance(opt, BF16_Optimizer) and opt.immediate_grad_update
+    if ((stage == 0 and not hasattr(opt, "get_grads_for_reduction")) or zero1 or bf16) \
+            and not switched_off():
+        reducer = GradReducer(engine.module.parameters(), group=engine.seq_data_parallel_group,
+                              world_size=engine.dp_world_size,
+                              comm_dtype=engine.communication_data_type,
+                              is_boundary=engine.is_gradient_accumulation_boundary,
+                              average=not zero1, keep_missing=not (zero1 or bf16),
+                              grad_of=_fp32_grads(opt) if bf16 else None)
+        engine.app_grad_reducer = reducer
+        engine.allreduce_gradients = _reduce_at_boundary(engine, reducer, zero1)
+        if zero1:
+            local_zero1_reduction(opt)
+            return f"{reducer.describe()}; ZeRO-1 then keeps its partition (its own " \
+                   f"collective skipped); parameters all-gathered after the step"
+        if bf16:
+            return f"{reducer.describe()} from BF16_Optimizer's fp32 accumulation; " \
+                   f"parameters all-gathered after the step"
+        return reducer.describe()
+    if isinstance(opt, BF16_Optimizer):
+        return f"all-reduce in {dtype} after backward, then an all-gather of the parameters " \
+               f"(not overlapped: BF16_Optimizer accumulates in fp32 after backward without " \
+               f"bf16.immediate_grad_update)"
+    if stage == 2:
+        return f"ZeRO-2's reduce buckets in {dtype} at each of the " \
+               f"{engine.gradient_accumulation_steps()} micro step(s) (overlapped on a GPU side " \
+               f"stream, not on CPU, where each collective blocks backward; ZeRO 0-1 reduce " \
+               f"once a step, during backward)"
+    if stage < 2:
+        return f"DeepSpeed's all-reduce in {dtype} after backward (not overlapped)"
+    return f"DeepSpeed's ZeRO-{stage} reduce-scatter in {dtype} during backward"
+
+
+def _fp32_grads(opt) -> Callable:
+    """A bf16 parameter's gradient as BF16_Optimizer keeps it: its view of the fp32
+    accumulation buffer (with `immediate_grad_update`, its hook adds each micro step's bf16
+    gradient there during backward, before the reducer's hook reads it)."""
+    views = {id(lp): opt.fp32_groups_gradients[i][j]
+             for i, group in enumerate(opt.bf16_groups) for j, lp in enumerate(group)}
+    return lambda p: views.get(id(p))
+
+
+def _reduce_at_boundary(engine, reducer: GradReducer, then_deepspeed: bool) -> Callable:
+    """The engine's `allreduce_gradients` (called at the end of `engine.backward`): at the
+    boundary, the reducer's `finish`; at ZeRO-1, DeepSpeed's own then moves the reduced
+    gradients into its partition (its collective skipped: patches.local_zero1_reduction)."""
+    deepspeed_reduction = engine.allreduce_gradients
+
+    def allreduce_gradients(*args, **kwargs):
+        if engine.is_gradient_accumulation_boundary():
+            reducer.finish()
+        if then_deepspeed:
+            deepspeed_reduction(*args, **kwargs)
+
+    return allreduce_gradients
 
 
 def apply_lr_schedule(engine) -> None:
@@ -49,7 +127,9 @@ def engine_facts(engine) -> dict[str, Any]:
     the dtypes of the weights and of gradient accumulation."""
     model_dtype, grad_dtype = engine.get_data_types()
     return {"optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
-            "grad_accum_dtype": str(grad_dtype), "zero_stage": engine.zero_optimization_stage()}
+            "grad_accum_dtype": str(grad_dtype), "zero_stage": engine.zero_optimization_stage(),
+            "communication_data_type": str(engine.communication_data_type),
+            "grad_reduction": getattr(engine, "app_grad_reduction", None)}
 
 
 def grad_norm_before_step(engine) -> torch.Tensor | None:

@@ -27,9 +27,9 @@ from data_tools.errors import UserError
 
 # Families whose MLP is gated (SwiGLU/GeGLU: gate, up and down projections).
 GATED_MLP_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2",
-                             "gemma3", "olmo", "olmo2", "phi3", "granite"})
+                             "gemma3", "olmo", "olmo2", "phi3", "granite", "modernbert"})
 # Encoder families whose MLM head has a d x d transform before the decoder.
-MLM_TRANSFORM_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "electra"})
+MLM_TRANSFORM_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "electra", "modernbert"})
 
 
 @dataclass(frozen=True)

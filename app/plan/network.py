@@ -1,0 +1,401 @@
+"""The network in the plan: what DeepSpeed 0.19 sends per optimizer step, per ZeRO stage, how long
+it takes on a given network, how much of it hides behind compute, and from that the step time,
+tokens/s and scaling efficiency from 1 to N nodes. Pure functions (no torch.distributed): the
+planner and the simulated-cluster benchmark call the same `predict_step`. Formulas and defaults:
+docs/plan.md, "The network".
+
+What is sent (P parameters, c = communication dtype bytes, w = weight bytes), as DeepSpeed 0.19
+does it with this repo's ds_configs (read from `engine.py`, `stage_1_and_2.py`, `bf16_optimizer.py`,
+`stage3.py`):
+
+    ZeRO-0        all-reduce of the gradients (c x P) on the boundary micro step, in the app's
+                  reducer's buckets during backward (app/runtime/overlap.py; DeepSpeed alone
+                  reduces after backward, `buffered_allreduce_fallback`)
+    ZeRO-1        the same all-reduce through the app's reducer (DeepSpeed's own reduction
+                  becomes a local copy of the rank's partition), then an all-gather of the
+                  updated weights (w x P) in the step
+    ZeRO-1 bf16   the same bytes: the reducer sends BF16_Optimizer's fp32 gradient buffer in c
+                  during backward, then the bf16 weights are all-gathered
+    ZeRO-2        the bucketed all-reduce every micro step (the gradients are partitioned as
+                  they come), then the weight all-gather at the boundary
+    ZeRO-3        every micro step: weight all-gathers in forward (and again in backward unless
+                  the parameters stay gathered between them), a reduce-scatter of the gradients
+
+Cost of one collective on n nodes of g devices (hierarchical, each phase a ring; the node's link
+is shared by its g devices, so it carries the whole tensor's share):
+
+    all-reduce      2(g-1)/g x B / intra + 2(n-1)/n x B / inter + (2(g-1) a_intra + 2(n-1) a_inter)
+    reduce-scatter   (g-1)/g x B / intra +  (n-1)/n x B / inter +  ((g-1) a_intra +  (n-1) a_inter)
+    all-gather       as reduce-scatter
+
+per bucket of B bytes (a = the per-message latency of one ring step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import ceil
+from typing import Any, NamedTuple
+
+from data_tools.errors import UserError
+from app.runtime.overlap import bucket_elements
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+BACKWARD_FRACTION = 2 / 3
+"""The share of a micro step's compute that is backward (2 of its 3 matmul passes): the window a
+gradient reduction can hide behind."""
+ALLREDUCE_BUCKET = 500_000_000
+"""Elements per all-reduce at ZeRO-0 and in BF16_Optimizer (MEMORY_OPT_ALLREDUCE_SIZE)."""
+
+
+class Overlap(NamedTuple):
+    """Which of a path's collectives run while compute runs."""
+
+    reduce: bool
+    """The gradient reduction runs during backward (bucketed)."""
+    gather: bool
+    """The weight all-gathers run during compute (ZeRO-3's prefetch; ZeRO-1/2's boundary gather
+    never does in DeepSpeed 0.19: it ends the optimizer step)."""
+
+
+# What overlaps today, per (path, device kind): the one place the planner reads it. ZeRO-0 and
+# ZeRO-1 (fp32, and bf16 through BF16_Optimizer) reduce through the app's own reducer
+# (app/runtime/overlap.py): buckets all-reduced asynchronously while backward runs, on CPU (gloo's
+# threads) as on GPU; their parameter all-gather still ends the step. ZeRO-2 and ZeRO-3 keep
+# DeepSpeed's reduction: on the CPU accelerator its side streams are no-ops, so a reduction inside
+# a backward hook blocks it.
+OVERLAPPED: dict[tuple[str, str], Overlap] = {
+    ("zero0", "gpu"): Overlap(True, False),  # the app's reducer, during backward
+    ("zero0", "cpu"): Overlap(True, False),
+    ("zero1", "gpu"): Overlap(True, False),  # the app's reducer; DeepSpeed's copy is local
+    ("zero1", "cpu"): Overlap(True, False),
+    ("zero1-bf16", "gpu"): Overlap(True, False),  # the reducer reads BF16_Optimizer's fp32 buffer
+    ("zero1-bf16", "cpu"): Overlap(True, False),
+    ("zero2", "gpu"): Overlap(True, False),  # overlap_comm on its reduction stream
+    ("zero2", "cpu"): Overlap(False, False),
+    ("zero3", "gpu"): Overlap(True, True),  # overlap_comm and the prefetch
+    ("zero3", "cpu"): Overlap(False, False),
+}
+APP_REDUCER_PATHS = ("zero0", "zero1", "zero1-bf16")
+"""The paths whose gradients go through the app's reducer, in its buckets (bucket_elements)."""
+
+
+def path_of(stage: int, precision: str) -> str:
+    """The DeepSpeed code path a (stage, precision) takes: bf16 ZeRO-1 with the app's fp32
+    gradient accumulation runs BF16_Optimizer, not the ZeRO optimizer."""
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"ZeRO stage {stage}: stages are 0, 1, 2 and 3")
+    return "zero1-bf16" if stage == 1 and precision == "bf16" else f"zero{stage}"
+
+
+def overlap_of(stage: int, precision: str, device: str = "gpu") -> Overlap:
+    return OVERLAPPED[(path_of(stage, precision), device)]
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """A network between nodes: bandwidth per node and per-message latency (line rates)."""
+
+    name: str
+    gbps: float
+    """Inter-node bandwidth per node and direction, Gb/s (shared by the node's devices)."""
+    latency_us: float
+    """Latency of one ring step (one message between neighbouring nodes), microseconds."""
+    what: str
+
+
+INTERCONNECTS = {i.name: i for i in (
+    Interconnect("10gbe", 10, 40, "10 Gb Ethernet, TCP sockets"),
+    Interconnect("25gbe", 25, 30, "25 Gb Ethernet, TCP sockets (the paper's cluster)"),
+    Interconnect("100gbe", 100, 20, "100 Gb Ethernet, TCP sockets"),
+    Interconnect("200gbe-roce", 200, 5, "200 Gb Ethernet with RoCE v2 (RDMA)"),
+    Interconnect("400g-ib", 400, 3, "one 400 Gb/s InfiniBand NDR port per node"),
+    Interconnect("8x400g-ib", 3200, 3, "8 NDR ports per node (DGX H100 / HGX class)"),
+    Interconnect("efa-p4d", 400, 15, "AWS p4d: 4 x 100 Gb/s EFA (SRD)"),
+    Interconnect("efa-p5", 3200, 15, "AWS p5: 32 x 100 Gb/s EFA v2 (SRD)"),
+)}
+DEFAULT_INTERCONNECT = "25gbe"
+
+# Intra-node bandwidth per device and direction (Gb/s) and ring-step latency (us), by
+# accelerator (app.telemetry.hardware names): NVLink/NVSwitch or Infinity Fabric per direction
+# from the datasheets (half the bidirectional figure), PCIe x16 per direction otherwise.
+INTRA = {
+    "A100-40GB": (2400, 2), "A100-80GB": (2400, 2),  # NVLink3 600 GB/s bidirectional
+    "H100-SXM": (3600, 2), "H200": (3600, 2),  # NVLink4 900 GB/s
+    "H100-NVL": (2400, 2),  # NVLink bridge 600 GB/s between the pair
+    "H100-PCIe": (512, 5),  # PCIe Gen5 x16 128 GB/s
+    "B200": (7200, 2),  # NVLink5 1.8 TB/s
+    "MI300X": (3584, 3),  # Infinity Fabric 7 x 128 GB/s
+    "MI250X": (1600, 3),  # Infinity Fabric, ~400 GB/s to its peers (approximate)
+    "V100-16GB": (1200, 3), "V100-32GB": (1200, 3),  # NVLink2 300 GB/s
+    "V100-PCIe": (128, 5),  # PCIe Gen3 x16
+}
+PCIE4_INTRA = (256, 5)
+"""Any other card: PCIe Gen4 x16, 32 GB/s per direction (L40S, L4, A10, A10G, T4)."""
+
+
+def intra_default(accelerator: str | None) -> tuple[float, float]:
+    """(Gb/s, latency us) between the devices of one node for an accelerator name."""
+    return INTRA.get(accelerator or "", PCIE4_INTRA)
+
+
+def nearest_interconnect(gbps: float) -> Interconnect:
+    """The preset closest in bandwidth (log scale): the latency a bare --net-gbps implies."""
+    from math import log
+    return min(INTERCONNECTS.values(), key=lambda i: (abs(log(i.gbps / gbps)), i.latency_us))
+
+
+@dataclass(frozen=True)
+class Link:
+    """The network a job runs on."""
+
+    inter_gbps: float
+    inter_latency_us: float = 0.0
+    intra_gbps: float = PCIE4_INTRA[0]
+    intra_latency_us: float = PCIE4_INTRA[1]
+
+    def __post_init__(self) -> None:
+        for name in ("inter_gbps", "intra_gbps"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"--{_flag(name)} {getattr(self, name)}: must be positive")
+        for name in ("inter_latency_us", "intra_latency_us"):
+            if not getattr(self, name) >= 0:
+                raise UserError(f"--{_flag(name)} {getattr(self, name)}: must be 0 or more")
+
+
+def _flag(name: str) -> str:
+    return {"inter_gbps": "net-gbps", "intra_gbps": "intra-gbps",
+            "inter_latency_us": "net-latency-us",
+            "intra_latency_us": "intra-latency-us"}.get(name, name.replace("_", "-"))
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a step runs: the whole tensor's bytes, split into buckets."""
+
+    kind: str
+    """"all-reduce", "reduce-scatter" or "all-gather"."""
+    what: str
+    """"gradients" or "weights"."""
+    nbytes: int
+    """The full tensor (every rank's share together), bytes."""
+    buckets: int
+    """Calls it is split into (each pays the latency once)."""
+    per_micro: bool
+    """Runs every micro step (else once per optimizer step, at the boundary)."""
+    phase: str
+    """When it can run: "forward", "backward" or "step" (after backward, in the optimizer step)."""
+    overlapped: bool
+
+
+def collectives(stage: int, params: int, *, comm_bytes: int, weight_bytes: int,
+                overlap: Overlap, reduce_bucket: int, allgather_bucket: int,
+                prefetch_bucket: int = 50_000_000, allreduce_bucket: int = ALLREDUCE_BUCKET,
+                zero3_gathers: int = 2) -> list[Collective]:
+    """What one optimizer step sends at `stage` (module docstring); bucket sizes in elements."""
+    def n(bucket: int) -> int:
+        return max(1, ceil(params / max(bucket, 1)))
+
+    grads, weights = comm_bytes * params, weight_bytes * params
+    if stage == 0:
+        return [Collective("all-reduce", "gradients", grads, n(allreduce_bucket), False,
+                           "backward", overlap.reduce)]
+    gather = Collective("all-gather", "weights", weights, n(allgather_bucket), False, "step",
+                        overlap.gather)
+    if stage in (1, 2):
+        return [Collective("all-reduce", "gradients", grads, n(reduce_bucket), stage == 2,
+                           "backward", overlap.reduce), gather]
+    out = [Collective("all-gather", "weights", weights, n(prefetch_bucket), True, "forward",
+                      overlap.gather)]
+    if zero3_gathers > 1:
+        out.append(Collective("all-gather", "weights", weights, n(prefetch_bucket), True,
+                              "backward", overlap.gather))
+    out.append(Collective("reduce-scatter", "gradients", grads, n(reduce_bucket), True,
+                          "backward", overlap.reduce))
+    return out
+
+
+def collective_ms(c: Collective, nodes: int, per_node: int, link: Link) -> float:
+    """Time of all of `c`'s buckets once (module docstring: hierarchical rings)."""
+    if nodes * per_node <= 1:
+        return 0.0
+    rounds = 2 if c.kind == "all-reduce" else 1
+    g, m = per_node, nodes
+    seconds = rounds * ((g - 1) / g * c.nbytes / (link.intra_gbps * 1e9 / 8)
+                        + (m - 1) / m * c.nbytes / (link.inter_gbps * 1e9 / 8))
+    latency_us = rounds * ((g - 1) * link.intra_latency_us + (m - 1) * link.inter_latency_us)
+    return 1000 * seconds + c.buckets * latency_us / 1000
+
+
+def exposed_ms(comm_ms: float, window_ms: float, buckets: int) -> float:
+    """The part of `comm_ms` (in `buckets` equal calls, back to back on the link) that outlasts
+    the compute window it overlaps. A bucket can start once the window has produced it (bucket
+    i at i/b of the window), so at least the last bucket is exposed:
+    max(T/b, T - W (b-1)/b)."""
+    if comm_ms <= 0:
+        return 0.0
+    b = max(buckets, 1)
+    return max(comm_ms / b, comm_ms - window_ms * (b - 1) / b)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step on a network (milliseconds)."""
+
+    compute_ms: float
+    """All micro steps' compute (forward, backward, optimizer) without communication."""
+    comm_ms: float
+    """Every collective of the step, end to end, as if nothing overlapped."""
+    exposed_comm_ms: float
+    """The part of `comm_ms` the step waits for."""
+    parts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def step_ms(self) -> float:
+        return self.compute_ms + self.exposed_comm_ms
+
+
+def step_time(colls: list[Collective], nodes: int, per_node: int, link: Link,
+              compute_ms: float, grad_accum: int = 1,
+              backward_fraction: float = BACKWARD_FRACTION) -> StepTime:
+    """Step time from the collectives and the compute of one optimizer step (`compute_ms`, all
+    `grad_accum` micro steps). Overlapped collectives of a phase share its window of each micro
+    step (backward: `backward_fraction` of it); boundary ones use the last micro step's."""
+    micro = compute_ms / grad_accum
+    windows = {"backward": micro * backward_fraction, "forward": micro * (1 - backward_fraction)}
+    parts, total, exposed = [], 0.0, 0.0
+    for last in (False, True):  # the micro steps before the boundary, then the last one
+        count = grad_accum - 1 if not last else 1
+        for phase in ("forward", "backward", "step"):
+            here = [c for c in colls if c.phase == phase and (c.per_micro or last)]
+            ms = [collective_ms(c, nodes, per_node, link) for c in here]
+            hidden = [(c, t) for c, t in zip(here, ms) if c.overlapped and phase in windows]
+            out = [t for c, t in zip(here, ms) if not (c.overlapped and phase in windows)]
+            if hidden:
+                t_h, b_h = sum(t for _, t in hidden), sum(c.buckets for c, _ in hidden)
+                exposed += count * exposed_ms(t_h, windows[phase], b_h)
+            exposed += count * sum(out)
+            total += count * sum(ms)
+    for c in colls:
+        t = collective_ms(c, nodes, per_node, link)
+        parts.append({"kind": c.kind, "what": c.what, "bytes": c.nbytes, "buckets": c.buckets,
+                      "per_micro_step": c.per_micro, "phase": c.phase, "overlapped": c.overlapped,
+                      "ms_each": t, "times_per_step": grad_accum if c.per_micro else 1})
+    return StepTime(compute_ms, total, exposed, parts)
+
+
+def node_bytes(colls: list[Collective], nodes: int, grad_accum: int = 1) -> int:
+    """Bytes one node sends over its inter-node link per optimizer step (rings: an all-reduce
+    sends 2(n-1)/n of the tensor, a reduce-scatter or all-gather (n-1)/n)."""
+    if nodes <= 1:
+        return 0
+    sent = sum((2 if c.kind == "all-reduce" else 1) * c.nbytes * (grad_accum if c.per_micro else 1)
+               for c in colls)
+    return int(sent * (nodes - 1) / nodes)
+
+
+def node_counts(nodes: int) -> list[int]:
+    """1, 2, 4, ... below `nodes`, and `nodes` itself."""
+    if nodes < 1:
+        raise UserError(f"--nodes {nodes}: must be at least 1")
+    out, n = [], 1
+    while n < nodes:
+        out.append(n)
+        n *= 2
+    return out + [nodes]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A data-parallel job's communication: what it sends, on which network, over what compute."""
+
+    stage: int
+    params: int
+    per_node: int
+    link: Link
+    compute_ms: float
+    """One optimizer step's compute on one device (all micro steps), milliseconds."""
+    grad_accum: int = 1
+    precision: str = "bf16"
+    comm_dtype: str | None = None
+    """Gradient reduction dtype (None: the run's precision, DeepSpeed's default)."""
+    device: str = "gpu"
+    overlap: Overlap | None = None
+    """None: OVERLAPPED's entry for the path and device."""
+    backward_fraction: float = BACKWARD_FRACTION
+    buckets: dict[str, int] = field(default_factory=dict)
+    """reduce_bucket / allgather_bucket / prefetch_bucket / allreduce_bucket, and the app's
+    reducer's reducer_bucket (elements; default: app/runtime/overlap.py's bucket_elements)."""
+    zero3_gathers: int = 2
+    """ZeRO-3 weight gathers per micro step: 2, or 1 when the weights stay gathered from forward
+    to backward (the whole model within stage3_max_live_parameters)."""
+
+    def __post_init__(self) -> None:
+        if not self.compute_ms > 0:
+            raise UserError(f"--compute-ms {self.compute_ms}: must be positive")
+        if not 0 <= self.backward_fraction <= 1:
+            raise UserError(f"--overlap-fraction {self.backward_fraction}: must be in [0, 1]")
+        for name, value in (("grad_accum", self.grad_accum), ("per_node", self.per_node),
+                            ("params", self.params)):
+            if value < 1:
+                raise UserError(f"{name} {value}: must be at least 1")
+        if (self.comm_dtype or self.precision) not in DTYPE_BYTES:
+            raise UserError(f"--comm-dtype {self.comm_dtype}: expected fp32, bf16 or fp16")
+
+    def collectives(self) -> list[Collective]:
+        overlap = self.overlap or overlap_of(self.stage, self.precision, self.device)
+        b = {"reduce_bucket": 500_000_000, "allgather_bucket": 500_000_000, **self.buckets}
+        path = path_of(self.stage, self.precision)
+        reducer = b.pop("reducer_bucket", bucket_elements(self.params))
+        if path in APP_REDUCER_PATHS and overlap.reduce:  # the app's reducer's buckets
+            b["allreduce_bucket"] = b["reduce_bucket"] = reducer
+        elif path == "zero1-bf16":  # the engine's fallback reduces
+            b["reduce_bucket"] = b.get("allreduce_bucket", ALLREDUCE_BUCKET)
+        return collectives(self.stage, self.params,
+                           comm_bytes=DTYPE_BYTES[self.comm_dtype or self.precision],
+                           weight_bytes=DTYPE_BYTES[self.precision], overlap=overlap,
+                           zero3_gathers=self.zero3_gathers, **b)
+
+    def at(self, nodes: int) -> StepTime:
+        return step_time(self.collectives(), nodes, self.per_node, self.link, self.compute_ms,
+                         self.grad_accum, self.backward_fraction)
+
+    def scaling(self, nodes: int, tokens_per_step_per_device: int) -> list[dict[str, Any]]:
+        """tokens/s and efficiency (tokens/s per device against one node's) at 1, 2, 4 ... N."""
+        rows, base = [], None
+        for m in node_counts(nodes):
+            t = self.at(m)
+            tps = m * self.per_node * tokens_per_step_per_device / (t.step_ms / 1000)
+            base = base or tps
+            rows.append({"nodes": m, "devices": m * self.per_node, "step_ms": t.step_ms,
+                         "exposed_comm_ms": t.exposed_comm_ms, "tokens_per_sec": tps,
+                         "efficiency": tps / (m * base)})
+        return rows
+
+
+def predict_step(*, params: int, nodes: int, net_gbps: float, compute_ms: float, stage: int,
+                 gpus_per_node: int = 1, net_latency_us: float = 0.0,
+                 intra_gbps: float = PCIE4_INTRA[0], intra_latency_us: float = PCIE4_INTRA[1],
+                 precision: str = "fp32", comm_dtype: str | None = None, grad_accum: int = 1,
+                 device: str = "gpu", overlapped: bool | None = None,
+                 backward_fraction: float = BACKWARD_FRACTION,
+                 buckets: dict[str, int] | None = None, zero3_gathers: int = 2) -> dict[str, Any]:
+    """One optimizer step of a data-parallel job on `nodes` x `gpus_per_node` devices.
+
+    params: parameters (P); net_gbps/net_latency_us: the inter-node link per node (a tc-shaped
+    veth: its rate and delay); compute_ms: one step's compute measured on one node (all
+    `grad_accum` micro steps); device "cpu" looks up the CPU rows of OVERLAPPED; `overlapped`
+    overrides both the reduction's and the gathers' entry. Returns comm_ms, exposed_comm_ms,
+    step_ms, compute_ms, efficiency (1-node step over this one), node_bytes (sent per node per
+    step) and the collectives."""
+    overlap = None if overlapped is None else Overlap(overlapped, overlapped)
+    job = Job(stage=stage, params=params, per_node=gpus_per_node,
+              link=Link(net_gbps, net_latency_us, intra_gbps, intra_latency_us),
+              compute_ms=compute_ms, grad_accum=grad_accum, precision=precision,
+              comm_dtype=comm_dtype, device=device, overlap=overlap,
+              backward_fraction=backward_fraction, buckets=dict(buckets or {}),
+              zero3_gathers=zero3_gathers)
+    t, one = job.at(nodes), job.at(1)
+    return {"comm_ms": t.comm_ms, "exposed_comm_ms": t.exposed_comm_ms, "step_ms": t.step_ms,
+            "compute_ms": t.compute_ms, "efficiency": one.step_ms / t.step_ms,
+            "node_bytes": node_bytes(job.collectives(), nodes, grad_accum),
+            "path": path_of(stage, precision), "collectives": t.parts}

@@ -1,0 +1,185 @@
+"""The app's gradient reducer (app/runtime/overlap.py): gradients are all-reduced in buckets while
+backward still runs, at ZeRO-0 and ZeRO-1, on the boundary micro step only, and the result is
+what DeepSpeed's own (after-backward) reduction gives; the communication dtype is a flag."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.runtime.ds_config import fill_auto, load_ds_config, zero_config_path
+from app.runtime.overlap import (MIN_BUCKET_ELEMENTS, OFF_ENV, TRACE_ENV, bucket_elements,
+                                 buckets_in_backward_order)
+from data_tools.errors import UserError
+from tests.helpers import TINY, check, launch, train_losses
+
+STEPS = 3
+# 2 ranks x micro 4 x grad accum 2; dropout 0 so the two paths compare step by step
+COMMON = [*TINY, "--max-steps", str(STEPS), "--log-every", "1", "--grad-accum", "2",
+          "--dropout", "0", "--eval-every", "0", "--save-every", "0"]
+
+
+def test_buckets_follow_backward_order_and_scale_with_the_model():
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 64),
+                                torch.nn.Linear(64, 64))
+    model[0].weight.requires_grad_(False)
+    buckets = buckets_in_backward_order(model.parameters(), 64 * 64 + 64)
+    # last registered first; the frozen embedding is in none; a bucket holds about `size`
+    assert [[tuple(p.shape) for p in b] for b in buckets] == [[(64,), (64, 64)],
+                                                              [(64,), (64, 64)]]
+    assert bucket_elements(10_000) == MIN_BUCKET_ELEMENTS
+    assert bucket_elements(40_000_000) == 5_000_000
+    assert bucket_elements(10**10) == 25 * 2**20 // 4  # DDP's 25 MB of fp32 at most
+
+
+@pytest.mark.parametrize("precision,flag,file_value,want", [
+    ("fp32", None, None, "fp32"), ("bf16", None, None, "fp32"), ("bf16", "bf16", None, "bf16"),
+    ("fp32", None, "bf16", "bf16"), ("fp16", None, None, None), ("fp16", "fp32", None, "fp32")])
+def test_the_communication_dtype_is_the_flag_else_the_file_else_fp32(precision, flag,
+                                                                     file_value, want):
+    ds = load_ds_config(zero_config_path(1))
+    if file_value:
+        ds["communication_data_type"] = file_value
+    filled = fill_auto(ds, micro_batch=2, grad_accum=1, world_size=2, precision=precision,
+                       lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, pin_memory=False,
+                       where=Path("x.json"), grad_comm_dtype=flag)
+    assert filled.get("communication_data_type") == want
+
+
+def test_a_flag_that_contradicts_the_file_is_one_line():
+    ds = {**load_ds_config(zero_config_path(0)), "communication_data_type": "bf16"}
+    with pytest.raises(UserError, match="communication_data_type.*--grad-comm-dtype"):
+        fill_auto(ds, micro_batch=2, grad_accum=1, world_size=2, precision="fp32", lr=1e-3,
+                  betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0, pin_memory=False,
+                  where=Path("x.json"), grad_comm_dtype="fp32")
+
+
+def _run(dataset: Path, out: Path, stage: int, monkeypatch, *extra: str, overlap: bool = True):
+    """A 2-rank run through the real launcher; overlapped runs trace their reducer."""
+    with monkeypatch.context() as env:
+        if overlap:
+            env.setenv(TRACE_ENV, str(out.parent / f"{out.name}.trace"))
+        else:
+            env.setenv(OFF_ENV, "1")
+        proc = check(launch("train", "--data", dataset, "--out", out, *COMMON, "--zero", stage,
+                            *extra))
+    return proc
+
+
+def _traces(out: Path) -> list[list[dict]]:
+    return [[json.loads(line) for line in Path(f"{out.parent / out.name}.trace.rank{r}")
+             .read_text().splitlines()] for r in (0, 1)]
+
+
+def _in_flight_during_backward(step: dict) -> list[int]:
+    """Buckets launched in a gradient hook, while backward went on producing gradients (a later
+    gradient was ready after the launch), and waited for only after backward ended."""
+    events = [(kind, b) for kind, b, _ in step["events"]]
+    end = events.index(("backward_end", -1))
+    last_ready = max(i for i, (kind, _) in enumerate(events) if kind == "ready")
+    return [b for i, (kind, b) in enumerate(events)
+            if kind == "launch" and i < last_ready < end < events.index(("done", b))]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("stage,extra", [(0, []), (1, []), (1, ["--precision", "bf16"])],
+                         ids=["zero0", "zero1", "zero1-bf16"])
+def test_buckets_are_in_flight_while_backward_runs_and_train_the_same_losses(
+        stage, extra, mlm_dataset, tmp_path, monkeypatch):
+    """ZeRO-0, ZeRO-1 (fp32: DeepSpeed's optimizer; bf16: BF16_Optimizer, whose fp32 gradients
+    are sent): the reducer's traces show buckets in flight during backward, and the losses are
+    those of DeepSpeed's own reduction after backward."""
+    overlapped = tmp_path / "overlapped"
+    proc = _run(mlm_dataset, overlapped, stage, monkeypatch, *extra)
+    assert "during backward" in proc.stderr  # the start-up line says how gradients are reduced
+    engine = json.loads((overlapped / "config.json").read_text())["engine"]
+    assert engine["communication_data_type"] == "torch.float32"
+    assert "during backward" in engine["grad_reduction"]
+    traces = _traces(overlapped)
+    # observed, not only ordered: a launched bucket not yet complete when a later gradient came
+    assert any(kind == "in_flight" for steps in traces for step in steps
+               for kind, _, _ in step["events"])
+    for rank_steps in traces:
+        assert len(rank_steps) == STEPS  # the boundary micro step only: one trace per step
+        for step in rank_steps:
+            assert step["buckets"] > 1
+            assert _in_flight_during_backward(step), step["events"]
+            launched = [b for kind, b, _ in step["events"] if kind == "launch"]
+            assert launched == list(range(step["buckets"]))  # every bucket, in order
+    reference = tmp_path / "deepspeed"
+    _run(mlm_dataset, reference, stage, monkeypatch, *extra, overlap=False)
+    ref, got = train_losses(reference), train_losses(overlapped)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-6), step
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.timeout(1200)
+def test_bf16_communication_reduces_close_to_fp32(mlm_dataset, tmp_path, monkeypatch):
+    """--grad-comm-dtype bf16 sums in bf16 (one rounding of the averaged gradient): the same
+    losses as fp32 communication to bf16's precision, and config.json says which ran."""
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    _run(mlm_dataset, fp32, 0, monkeypatch)
+    _run(mlm_dataset, bf16, 0, monkeypatch, "--grad-comm-dtype", "bf16")
+    engine = json.loads((bf16 / "config.json").read_text())["engine"]
+    assert engine["communication_data_type"] == "torch.bfloat16"
+    ref, got = train_losses(fp32), train_losses(bf16)
+    assert got[1] == ref[1]  # the first loss is computed before any update
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-2), step
+
+
+SHARED_TWICE = r"""
+import os, sys, torch, torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+from app.runtime.overlap import GradReducer
+rank = int(sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+torch.manual_seed(0)
+shared, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+params = [*shared.parameters(), *head.parameters()]
+x = torch.randn(4, 8, requires_grad=True) * (rank + 1)
+def loss():  # `shared` in two reentrant checkpointed regions: its hook fires twice
+    h = checkpoint(shared, x, use_reentrant=True)
+    return head(checkpoint(shared, h, use_reentrant=True)).pow(2).sum()
+loss().backward(retain_graph=True)
+want = [p.grad.clone() for p in params]
+for w in want:
+    dist.all_reduce(w)
+    w /= 2
+for p in params:
+    p.grad = None
+reducer = GradReducer(params, group=None, world_size=2, comm_dtype=torch.float32,
+                      is_boundary=lambda: True, bucket_size=8 * 8 + 8)
+loss().backward()
+assert reducer.stale == {0, 1}, reducer.stale  # both buckets got a gradient after being sent
+reducer.finish()
+assert all(torch.allclose(p.grad, w, rtol=1e-6, atol=0) for p, w in zip(params, want)), \
+    "a bucket was sent before its last accumulation"
+print("ok")
+"""
+
+
+def test_a_gradient_accumulated_twice_in_one_backward_is_sent_whole():
+    """A parameter in two checkpointed regions gets its gradient in two accumulations: its
+    bucket, sent after the first, is sent again whole (two real ranks over gloo)."""
+    import subprocess
+    import sys
+
+    from app.runtime.dist import free_port
+    from tests.helpers import REPO, clean_env
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED_TWICE, port, str(rank)], cwd=REPO,
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "ok" in out, err[-2000:]

@@ -72,7 +72,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     objective, model_config = settle_model(cfg, manifest, device, precision)
     stats, eval_sources = settle_data(cfg, sources, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
-    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs)
+    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs, real_per_sample(sources, stats))
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
@@ -182,11 +182,20 @@ def settle_data(cfg: TrainConfig, sources: Sources, objective: str,
     return train, tuple(with_eval)
 
 
-def settle_schedule(cfg: TrainConfig, global_batch: int) -> tuple[int, int, Callable]:
-    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens."""
+def real_per_sample(sources: Sources, stats: list[dict[str, Any]]) -> float:
+    """The mean real (not padding) tokens of a train sample, over the mixture's shares."""
+    shares = sources.mixture.fractions if sources.is_mixture else [1.0]
+    return sum(w * st["real_tokens_per_sample"] for w, st in zip(shares, stats))
+
+
+def settle_schedule(cfg: TrainConfig, global_batch: int,
+                    real_tokens_per_sample: float | None = None) -> tuple[int, int, Callable]:
+    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens (real
+    tokens: a sample holds `real_tokens_per_sample` on average, seq_len without padding)."""
     total_steps = cfg.max_steps
+    per_sample = real_tokens_per_sample or cfg.seq_len
     if cfg.max_tokens is not None:
-        total_steps = min(total_steps, math.ceil(cfg.max_tokens / (global_batch * cfg.seq_len)))
+        total_steps = min(total_steps, math.ceil(cfg.max_tokens / (global_batch * per_sample)))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
     return total_steps, warmup, schedule_fn(warmup_steps=warmup, total_steps=total_steps,
                                             decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio)
@@ -325,7 +334,7 @@ def check_learnable(cfg: TrainConfig, objective: str, manifest: dict[str, Any],
     perplexity 1, a perfect model. MLM with one document a sample (--packing doc) spends
     [CLS] and the closing [SEP] of a truncated document: it needs a third token to mask."""
     need = 2
-    if objective == "mlm" and cfg.packing == "doc":
+    if objective == "mlm" and cfg.packing in ("doc", "doc-packed"):
         need = 3 if manifest.get("cls_token_id") is not None else 2
     if cfg.seq_len < need:
         raise UserError(f"--seq-len {cfg.seq_len}: a sample of {where} holds no token to "

@@ -22,7 +22,7 @@ from app.telemetry import figures as telemetry
 from app.trainer import real_tokens, token_sums
 from data_tools.errors import UserError
 from helpers import check, clean_env, free_port, run_app
-from test_data import CLS, MASK, PAD, SEP, UNK, random_docs, write_dataset
+from test_data import CLS, PAD, SEP, random_docs, write_dataset
 
 SEQ = 64
 

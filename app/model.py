@@ -208,6 +208,21 @@ class SparseHeadBertForMaskedLM(BertForMaskedLM):
         return MaskedLMOutput(loss=loss, logits=logits)
 
 
+PACKED_MODEL_TYPES = ("bert",)
+"""Models whose training forward takes `document_ids` and `position_ids` (--packing doc-packed)."""
+
+
+def check_packed_attention(config: PretrainedConfig) -> None:
+    """Refuse --packing doc-packed with a model or attention that cannot confine attention to
+    each document (one line, at start-up rather than at the first step)."""
+    if config.model_type not in PACKED_MODEL_TYPES:
+        raise UserError(f"--packing doc-packed: not supported for {config.model_type} models "
+                        f"(supported: {', '.join(PACKED_MODEL_TYPES)}); use --packing doc")
+    if config._attn_implementation.startswith("flash"):
+        raise UserError(f"--attn {config._attn_implementation}: --packing doc-packed needs a "
+                        f"mask (use --attn sdpa or eager)")
+
+
 def document_attention(document_ids: torch.Tensor, implementation: str,
                        dtype: torch.dtype) -> torch.Tensor:
     """The block-diagonal attention of packed documents ("doc-packed", app.data.packing): token i

@@ -16,7 +16,8 @@ from app.checkpoint import store as checkpoint
 from app.checkpoint.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
-from app.model import build_config, max_positions, parse_overrides, preset
+from app.model import (build_config, check_packed_attention, max_positions, parse_overrides,
+                       preset)
 from app.runtime.device import Device, attention_implementation
 from app.runtime.dist import World
 from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, validate_ds_config,
@@ -149,6 +150,8 @@ def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
                                 special_ids=special, overrides=parse_overrides(cfg.model_arg),
                                 dropout=cfg.dropout, attn_implementation=attn,
                                 pad_vocab_to=cfg.pad_vocab_to)
+    if cfg.packing == "doc-packed":
+        check_packed_attention(model_config)
     if cfg.seq_len > max_positions(model_config):
         raise UserError(f"--seq-len {cfg.seq_len}: above the {max_positions(model_config)} "
                         f"positions of {cfg.model_name} (raise it with --model-arg)")

@@ -17,7 +17,7 @@ from app.data import packing
 from app.data.loader import (DataSpec, MixtureSpec, TokenWindows, build_eval_loader,
                              build_train_loader, dataset_stats)
 from app.data.masking import IGNORE_INDEX
-from app.model import build_config, build_model, document_attention
+from app.model import build_config, build_model, check_packed_attention, document_attention
 from app.telemetry import figures as telemetry
 from app.trainer import real_tokens, token_sums
 from data_tools.errors import UserError
@@ -146,6 +146,17 @@ def test_document_attention_is_block_diagonal():
     assert additive[0, 1] == 0 and additive[0, 2] == torch.finfo(torch.float32).min
     with pytest.raises(UserError, match="needs a mask"):
         document_attention(ids, "flash_attention_2", torch.bfloat16)
+
+
+def test_models_without_the_plumbing_are_refused_at_start_up():
+    bert = build_config("bert-tiny", vocab_size=500, special_ids={},
+                        attn_implementation="flash_attention_2")
+    with pytest.raises(UserError, match="needs a mask"):
+        check_packed_attention(bert)
+    gpt = build_config("gpt-tiny", vocab_size=500, special_ids={})
+    with pytest.raises(UserError, match="not supported for gpt2 models"):
+        check_packed_attention(gpt)
+    check_packed_attention(build_config("bert-tiny", vocab_size=500, special_ids={}))
 
 
 # -- order, resume, mixtures, ranks --------------------------------------------------------------

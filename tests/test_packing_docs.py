@@ -21,7 +21,7 @@ from app.model import build_config, build_model, check_packed_attention, documen
 from app.telemetry import figures as telemetry
 from app.trainer import real_tokens, token_sums
 from data_tools.errors import UserError
-from helpers import check, clean_env, free_port, run_app
+from helpers import check, clean_env, free_port, run_app, train_losses
 from test_data import CLS, PAD, SEP, random_docs, write_dataset
 
 SEQ = 64
@@ -281,3 +281,19 @@ def test_a_packed_run_logs_padding_and_stops_at_its_real_tokens(mlm_dataset, tmp
     assert [r["step"] for r in logged] == [2, 4, 6, 7]  # ceil(6.5 steps of real tokens)
     assert all(0 <= r["data/padding_pct"] < 25 for r in logged)
     assert any("eval/loss" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_a_packed_run_resumes_exactly(mlm_dataset, tmp_path):
+    """6 steps straight vs 3, stop, resume (dropout on, a loader worker): the same losses."""
+    common = ["--data", mlm_dataset, "--model", "bert-tiny", "--packing", "doc-packed",
+              "--seq-len", "128", "--micro-batch", "4", "--max-steps", "6", "--grad-accum", "2",
+              "--dropout", "0.1", "--log-every", "1", "--eval-every", "3", "--eval-samples", "8",
+              "--num-workers", "1", "--wandb", "disabled"]
+    check(run_app("train", *common, "--out", tmp_path / "straight"))
+    check(run_app("train", *common, "--out", tmp_path / "split", "--stop-at-step", "3"))
+    assert "resumed from" in check(run_app("train", *common, "--out", tmp_path / "split")).stderr
+    straight, split = train_losses(tmp_path / "straight"), train_losses(tmp_path / "split")
+    assert sorted(split) == sorted(straight) == list(range(1, 7))
+    for step in straight:
+        assert split[step] == pytest.approx(straight[step], abs=1e-6), step

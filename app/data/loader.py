@@ -2,7 +2,9 @@
 
 A sample is made in three steps, each in its own module: the split's shards read as one token stream
 (app.data.stream), cut into samples by the packing (app.data.packing: "concat" windows across
-documents, or "doc", one document per sample), then, for MLM, masked (app.data.masking). Which
+documents, "doc", one document per sample, or "doc-packed", whole documents side by side in a
+window by a plan made once per split), then, for MLM, masked (app.data.masking; "doc-packed"
+masks each document as "doc" would). Which
 sample a stream position reads is the order (app.data.order): a keyed permutation per epoch. A
 weighted mixture of datasets (MixtureSpec, MixedWindows) first picks the source and its own position
 (app.data.mixture), then reads that source like a lone dataset.
@@ -48,7 +50,8 @@ class DataSpec:
     objective: str
     """"mlm" (BERT-like, masked) or "clm" (GPT-like, next token)."""
     packing: str = "concat"
-    """"concat": windows cut across documents; "doc": one document per sample."""
+    """"concat": windows cut across documents; "doc": one document per sample; "doc-packed":
+    whole documents side by side in a window (MLM)."""
     seed: int = 0
     """Keys the sample order (with the epoch) and the MLM masks (with the sample position)."""
     mask_prob: float = 0.15
@@ -373,6 +376,9 @@ class BatchLayout:
     positions with static shapes, where indexing by a boolean mask would sync the host every
     step. CLM: `input_ids` and `labels`. `attention_mask` only with "doc" packing: in "concat"
     every token is attended to, and an all-ones mask costs the model a host sync to find out.
+    "doc-packed": `position_ids` and `document_ids` instead (the model makes its block-diagonal
+    mask from them on the device: app.model.document_attention). "doc" and "doc-packed" add
+    `tokens`, each sample's real tokens, which the trainer takes out for the telemetry.
     """
 
     keys: tuple[str, ...]

@@ -60,7 +60,8 @@ class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps to train for (the LR schedule ends here)."""
     max_tokens: int | None = None
-    """Token budget: stop (and end the schedule) once this many tokens were trained on."""
+    """Token budget: stop (and end the schedule) once this many real (not padding) tokens were
+    trained on (with doc packings: the dataset's mean real tokens a sample)."""
     stop_at_step: int | None = None
     """Stop and save at this step without changing the schedule (preemption drills, tests)."""
     lr: float = 1e-3
@@ -96,7 +97,8 @@ class TrainConfig:
     tf32: bool = False
     """Let fp32 matrix products use TF32 tensor cores (NVIDIA GPUs; ~8x faster, 10-bit mantissa)."""
     packing: str = "concat"
-    """concat (windows across documents) or doc (one document per sample)."""
+    """concat (windows across documents), doc (one document per sample) or doc-packed (whole
+    documents side by side in a window, each attending only to itself; MLM)."""
     mask_prob: float = 0.15
     """mlm: the fraction of tokens chosen for prediction (80% of them masked, 10% random, 10%
     kept)."""

@@ -266,7 +266,10 @@ class SparseHead:
     """
 
     def forward(self, input_ids=None, attention_mask=None, mlm_positions=None, mlm_labels=None,
-                **kwargs):
+                document_ids=None, **kwargs):
+        if document_ids is not None:
+            attention_mask = document_attention(document_ids, self.config._attn_implementation,
+                                                self.dtype)
         if mlm_positions is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = self.sparse_encoder(input_ids=input_ids, attention_mask=attention_mask,
@@ -314,6 +317,40 @@ class SparseHeadModernBertForMaskedLM(SparseHead, ModernBertForMaskedLM):
 # The sparse-head class of each MLM family this app trains (app.model.build_model)
 SPARSE_HEADS = {"bert": SparseHeadBertForMaskedLM, "roberta": SparseHeadRobertaForMaskedLM,
                 "modernbert": SparseHeadModernBertForMaskedLM}
+
+
+PACKED_MODEL_TYPES = ("bert",)
+"""Models whose training forward takes `document_ids` and `position_ids` (--packing doc-packed)."""
+
+
+def check_packed_attention(config: PretrainedConfig) -> None:
+    """Refuse --packing doc-packed with a model or attention that cannot confine attention to
+    each document (one line, at start-up rather than at the first step)."""
+    if config.model_type not in PACKED_MODEL_TYPES:
+        raise UserError(f"--packing doc-packed: not supported for {config.model_type} models "
+                        f"(supported: {', '.join(PACKED_MODEL_TYPES)}); use --packing doc")
+    if config._attn_implementation.startswith("flash"):
+        raise UserError(f"--attn {config._attn_implementation}: --packing doc-packed needs a "
+                        f"mask (use --attn sdpa or eager)")
+
+
+def document_attention(document_ids: torch.Tensor, implementation: str,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """The block-diagonal attention of packed documents ("doc-packed", app.data.packing): token i
+    attends to token j when both belong to the same document. `document_ids` [batch, seq] numbers
+    each window's documents from 1 (0: padding, which attends only to padding, so no row of the
+    softmax is empty). A [batch, 1, seq, seq] mask, built on the device from the loader's ids (no
+    host sync), that transformers passes to every layer as it is: boolean for SDPA (True =
+    attend), additive for eager attention."""
+    if implementation.startswith("flash"):
+        raise UserError(f"--attn {implementation}: --packing doc-packed needs a mask (use --attn "
+                        f"sdpa or eager)")
+    same = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
+    mask = same.unsqueeze(1)
+    if implementation == "sdpa":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, torch.finfo(dtype).min)
 
 
 def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = False,

@@ -17,8 +17,8 @@ from app.checkpoint.train_state import ONE_DOCUMENT_A_SAMPLE, phase_position
 from app.checkpoint.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
-from app.model import (build_config, check_init_config, max_positions, parse_overrides, preset,
-                       read_init_config)
+from app.model import (build_config, check_init_config, check_packed_attention, max_positions,
+                       parse_overrides, preset, read_init_config)
 from app.runtime.device import Device, attention_implementation
 from app.runtime.dist import World
 from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, validate_ds_config,
@@ -78,7 +78,8 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
     resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
     phase = settle_phase(cfg, resume, gbs, stats, world.is_main)
-    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs, phase)
+    total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs, phase,
+                                                     real_per_sample(sources, stats))
     ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
@@ -158,6 +159,8 @@ def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
                                 special_ids=special, overrides=parse_overrides(cfg.model_arg),
                                 dropout=cfg.dropout, attn_implementation=attn,
                                 pad_vocab_to=cfg.pad_vocab_to)
+    if cfg.packing == "doc-packed":
+        check_packed_attention(model_config)
     if cfg.seq_len > max_positions(model_config):
         raise UserError(f"--seq-len {cfg.seq_len}: above the {max_positions(model_config)} "
                         f"positions of {cfg.model_name} (raise it with --model-arg)")
@@ -243,17 +246,25 @@ def phase_line(phase: Phase, cfg: TrainConfig, global_batch: int,
             f"LR schedule and tokens seen ({phase.tokens_seen:,}) continue")
 
 
-def settle_schedule(cfg: TrainConfig, global_batch: int,
-                    phase: Phase | None = None) -> tuple[int, int, Callable]:
-    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens (after a
-    sequence-length phase: the steps done, then the tokens left at this phase's tokens a
-    step)."""
+def real_per_sample(sources: Sources, stats: list[dict[str, Any]]) -> float:
+    """The mean real (not padding) tokens of a train sample, over the mixture's shares."""
+    shares = sources.mixture.fractions if sources.is_mixture else [1.0]
+    return sum(w * st["real_tokens_per_sample"] for w, st in zip(shares, stats))
+
+
+def settle_schedule(cfg: TrainConfig, global_batch: int, phase: Phase | None = None,
+                    real_tokens_per_sample: float | None = None) -> tuple[int, int, Callable]:
+    """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens, in real
+    tokens (a sample holds `real_tokens_per_sample` on average, seq_len without padding); after
+    a sequence-length phase: the steps done, then the tokens left at this phase's tokens a step
+    (tokens seen so far taken at this phase's real share)."""
     total_steps = cfg.max_steps
+    per_sample = real_tokens_per_sample or cfg.seq_len
     if cfg.max_tokens is not None:
-        per_step = global_batch * cfg.seq_len
+        per_step = global_batch * per_sample
+        seen = 0 if phase is None else phase.tokens_seen * per_sample / cfg.seq_len
         total_steps = min(total_steps, math.ceil(cfg.max_tokens / per_step) if phase is None
-                          else phase.step + math.ceil(max(cfg.max_tokens - phase.tokens_seen, 0)
-                                                      / per_step))
+                          else phase.step + math.ceil(max(cfg.max_tokens - seen, 0) / per_step))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
     return total_steps, warmup, schedule_fn(warmup_steps=warmup, total_steps=total_steps,
                                             decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio,
@@ -456,7 +467,7 @@ def check_learnable(cfg: TrainConfig, objective: str, manifest: dict[str, Any],
     perplexity 1, a perfect model. MLM with one document a sample (--packing doc) spends
     [CLS] and the closing [SEP] of a truncated document: it needs a third token to mask."""
     need = 2
-    if objective == "mlm" and cfg.packing == "doc":
+    if objective == "mlm" and cfg.packing in ("doc", "doc-packed"):
         need = 3 if manifest.get("cls_token_id") is not None else 2
     if cfg.seq_len < need:
         raise UserError(f"--seq-len {cfg.seq_len}: a sample of {where} holds no token to "

@@ -110,6 +110,7 @@ class Trainer:
         self.intervals: list[dict[str, Any]] = []  # the logged figures, for summary.json
         self.train_seconds = 0.0
         self.session_steps = 0
+        self.session_real_tokens = 0.0  # over the logged windows, all ranks
         self._last_save = state.step if state.step else None
 
     # -- the loop -------------------------------------------------------------------------------
@@ -153,6 +154,7 @@ class Trainer:
             beat("waiting for data")
             with self.window.waiting_for_data():
                 batch = next(self.batches)
+            self._real_tokens += real_tokens(batch, self.seq_len)
             beat("in forward/backward (and the gradient all-reduce)")
             with self.window.forward():
                 loss = self.engine(**to_device(batch, self.device)).loss
@@ -194,7 +196,7 @@ class Trainer:
         on_device = torch.stack([*marks, self._loss_sum.double(), norm.double()]).tolist()
         return gather_rows([*on_device[:3], float(self._micro_steps), on_device[3], wall,
                             self.window.data_wait, self.window.forward_seconds(), *memory_gb(),
-                            self._state_bytes / 2**30], self.device)
+                            self._state_bytes / 2**30, float(self._real_tokens)], self.device)
 
     def rewind(self, tag: str) -> None:
         """The engine, the train state (its cool-down too) and the RNG from checkpoint `tag`:
@@ -230,6 +232,7 @@ class Trainer:
                                        self.shape)}
         self.logger.log(record)
         self.train_seconds += wall
+        self.session_real_tokens += sum(r[-1] for r in rows)
         if not self.intervals:
             self.logger.note(telemetry.expected_time(record["perf/step_time_ms"],
                                                      self.schedule.stop_step - s.step))
@@ -260,6 +263,7 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):  # evaluation must not shift training randomness
             for i, eval_set in enumerate(self.eval_sets):
                 for batch in eval_set.batches():
+                    real_tokens(batch, self.seq_len)  # not the model's
                     batch = to_device(batch, self.device)
                     # MLM: logits at the masked positions only; CLM: the loss is ours, in chunks
                     labels = (batch["mlm_labels"] if self.objective == "mlm"
@@ -290,7 +294,7 @@ class Trainer:
 
     def summary(self) -> dict[str, Any]:
         s = self.state
-        trained_tokens = self.session_steps * self.global_batch * self.seq_len
+        trained_tokens = self.session_real_tokens
         return {"steps": s.step, "consumed_samples": s.consumed_samples,
                 "tokens_seen": s.tokens_seen, "session_steps": self.session_steps,
                 "train_seconds": round(self.train_seconds, 3),
@@ -303,10 +307,21 @@ class Trainer:
     def _reset_window(self) -> None:
         self._loss_sum = torch.zeros((), device=self.device)
         self._micro_steps = 0
+        self._real_tokens = 0  # this rank's, in the window's micro batches
         self.window.restart(self.state.step)
         self._grad_norm = None
         self._state_bytes = 0
         self._lr = 0.0
+
+
+def real_tokens(batch: dict[str, torch.Tensor], seq_len: int) -> int:
+    """The real (not padding) tokens of a micro batch, taken out of it: the loader's count of
+    each sample's ("doc", "doc-packed"; app.data.loader.BatchLayout), read on the host where the
+    loader left it (no device sync), else every token of the batch ("concat")."""
+    tokens = batch.pop("tokens", None)
+    if tokens is None:
+        return int(batch["input_ids"].shape[0]) * seq_len
+    return int(tokens.sum())
 
 
 def eval_figures(sets: list[EvalSet], totals: list[list[float]], objective: str

@@ -2,7 +2,9 @@
 
 A sample is made in three steps, each in its own module: the split's shards read as one token stream
 (app.data.stream), cut into samples by the packing (app.data.packing: "concat" windows across
-documents, or "doc", one document per sample), then, for MLM, masked (app.data.masking). Which
+documents, "doc", one document per sample, or "doc-packed", whole documents side by side in a
+window by a plan made once per split), then, for MLM, masked (app.data.masking; "doc-packed"
+masks each document as "doc" would). Which
 sample a stream position reads is the order (app.data.order): a keyed permutation per epoch. A
 weighted mixture of datasets (MixtureSpec, MixedWindows) first picks the source and its own position
 (app.data.mixture), then reads that source like a lone dataset.
@@ -26,8 +28,8 @@ from app.runtime.device import usable_cores
 from app.data.masking import (EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots,
                          sample_keys)
 from app.data.mixture import Mixture
-from app.data.order import Permutation, check_batch_geometry, check_rank, eval_positions, \
-    rank_positions
+from app.data.order import (GOLDEN, Permutation, check_batch_geometry, check_rank,
+                            eval_positions, mix64_np, rank_positions)
 from app.data.stream import TokenStream
 from data_tools.errors import UserError
 from data_tools.manifest import MANIFEST, load_manifest, special_ids
@@ -48,7 +50,8 @@ class DataSpec:
     objective: str
     """"mlm" (BERT-like, masked) or "clm" (GPT-like, next token)."""
     packing: str = "concat"
-    """"concat": windows cut across documents; "doc": one document per sample."""
+    """"concat": windows cut across documents; "doc": one document per sample; "doc-packed":
+    whole documents side by side in a window (MLM)."""
     seed: int = 0
     """Keys the sample order (with the epoch) and the MLM masks (with the sample position)."""
     mask_prob: float = 0.15
@@ -66,6 +69,10 @@ class DataSpec:
             raise UserError(f"seq_len {self.seq_len}: must be at least 2")
         if not 0.0 < self.mask_prob < 1.0:
             raise UserError(f"mask_prob {self.mask_prob}: must be between 0 and 1 (exclusive)")
+        if self.packing == "doc-packed" and self.objective != "mlm":
+            raise UserError("--packing doc-packed: for MLM encoders (a decoder would need a "
+                            "block-causal mask); use --packing doc or concat with objective "
+                            f"{self.objective}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,22 @@ def masker_for(spec: DataSpec, manifest: dict[str, Any]) -> Masker | None:
                   special_ids=special_ids(spec.dataset_dir, manifest), mask_prob=spec.mask_prob)
 
 
+_PLANS: dict[tuple, packing.PackPlan] = {}
+
+
+def pack_plan_of(spec: DataSpec, stream: TokenStream, cls_id: int | None,
+                 eval_order: bool) -> packing.PackPlan:
+    """The "doc-packed" plan of a split (packing.pack_plan), made once a process: a pure function
+    of the documents' lengths, seq_len and the seed (eval: the stored order). A window holds at
+    most max(2, seq_len // 16) documents: that bounds the masked positions of a window."""
+    key = (str(spec.dataset_dir), spec.split, spec.seq_len, None if eval_order else spec.seed)
+    if key not in _PLANS:
+        lengths = packing.layout_lengths(stream, spec.seq_len, cls_id=cls_id, bert_layout=True)
+        _PLANS[key] = packing.pack_plan(lengths, spec.seq_len, seed=key[3],
+                                        max_docs=max(2, spec.seq_len // 16))
+    return _PLANS[key]
+
+
 class TokenWindows(Dataset):
     """Map-style: item p (a position in the infinite sample stream) -> one sample dict.
 
@@ -129,7 +152,16 @@ class TokenWindows(Dataset):
         self.num_samples = packing.count_samples(
             self.stream.num_tokens, self.stream.num_documents, spec.seq_len, spec.packing,
             dataset_dir=spec.dataset_dir, split=spec.split)
+        self.plan = None
+        if spec.packing == "doc-packed":
+            self.plan = pack_plan_of(spec, self.stream, self.cls_id, eval_order)
+            self.num_samples = self.plan.windows
         self._perm: Permutation | None = None
+
+    @property
+    def max_docs(self) -> int:
+        """The most documents a sample holds (1 but with "doc-packed")."""
+        return self.plan.max_docs if self.plan is not None else 1
 
     @property
     def shards(self):
@@ -167,6 +199,8 @@ class TokenWindows(Dataset):
             raise IndexError(f"stream position {int(positions.min())} is negative")
         # one index at a time: for a micro batch, Python ints beat numpy's per-call overhead
         indices = np.array([self.sample_index(p) for p in positions.tolist()], dtype=np.int64)
+        if self.plan is not None:
+            return self._packed_batch(positions, indices)
         seq_len = self.spec.seq_len
         ids = np.empty((positions.size, seq_len), dtype=np.int64)
         lengths = np.full(positions.size, seq_len, dtype=np.int64)
@@ -187,13 +221,42 @@ class TokenWindows(Dataset):
             ids, labels = self.masker.mask_batch(ids, lengths, keys)
         else:
             labels = np.where(attention == 1, ids, IGNORE_INDEX)
-        return {"input_ids": ids, "attention_mask": attention, "labels": labels}
+        return {"input_ids": ids, "attention_mask": attention, "labels": labels,
+                "tokens": lengths.reshape(-1, 1)}
 
-    def _corrupt(self, ids: np.ndarray, index: int, position: int) -> str:
+    def _packed_batch(self, positions: np.ndarray, windows: np.ndarray) -> dict[str, np.ndarray]:
+        """"doc-packed": each window's documents laid out and masked one by one exactly as "doc"
+        does (the masks keyed by (seed, position, document's place) in training, by the document
+        on the eval stream, as "doc" keys its eval samples), then placed side by side
+        (packing.place_documents)."""
+        seq_len = self.spec.seq_len
+        docs = [self.plan.window(int(w)) for w in windows.tolist()]
+        owner = np.repeat(np.arange(len(docs)), [d.size for d in docs])
+        flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
+        ids = np.empty((flat.size, seq_len), dtype=np.int64)
+        lengths = np.empty(flat.size, dtype=np.int64)
+        for row, d in enumerate(flat.tolist()):
+            ids[row], lengths[row] = packing.doc_sample(
+                self.stream, d, seq_len, pad_id=self.pad_id, eod_id=self.eod_id,
+                cls_id=self.cls_id, bert_layout=True)
+        if ids.max(initial=0) >= self.vocab_size:
+            row = int(np.argmax((ids >= self.vocab_size).any(axis=1)))
+            return {"error": self._corrupt(ids[row], int(flat[row]), int(positions[owner[row]]),
+                                           document=True)}
+        place = np.arange(owner.size) - np.searchsorted(owner, owner)  # place in its window
+        keys = (sample_keys(self.spec.seed, flat, EVAL_STREAM) if self.eval_order else
+                mix64_np(sample_keys(self.spec.seed, positions[owner], TRAIN_STREAM)
+                         + (place.astype(np.uint64) + np.uint64(1)) * np.uint64(GOLDEN)))
+        ids, labels = self.masker.mask_batch(ids, lengths, keys)
+        return packing.place_documents(ids, labels, lengths, owner, len(docs), seq_len,
+                                       pad_id=self.pad_id, ignore=IGNORE_INDEX)
+
+    def _corrupt(self, ids: np.ndarray, index: int, position: int, document: bool = False) -> str:
         at = int(np.argmax(ids >= self.vocab_size))
+        what = "document" if document else "sample"
         shard = (self.stream.shard_of_token(index * self.spec.seq_len + at)
                  if self.spec.packing == "concat" else self.stream.shard_of_document(index))
-        return (f"{shard.prefix}.bin: token id {int(ids[at])} in sample {index} (stream position "
+        return (f"{shard.prefix}.bin: token id {int(ids[at])} in {what} {index} (stream position "
                 f"{position}) is not below the vocabulary size {self.vocab_size}: the shard is "
                 f"corrupt (run `python -m data_tools inspect --verify`, and stage it again)")
 
@@ -207,6 +270,7 @@ class MixedWindows(Dataset):
         self.spec = spec
         self.mixture = Mixture(spec.weights)
         self.sources = [TokenWindows(s) for s in spec.sources]
+        self.max_docs = max(source.max_docs for source in self.sources)
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
         s, k = self.mixture.locate(int(position))
@@ -250,12 +314,31 @@ def dataset_stats(spec: DataSpec, manifest: dict | None = None) -> dict[str, Any
     n = packing.count_samples(tokens, documents, spec.seq_len, spec.packing,
                               dataset_dir=spec.dataset_dir, split=spec.split)
     per_epoch = n * spec.seq_len if spec.packing == "concat" else None
+    n, real = real_tokens_per_sample(spec, manifest, n)
     return {"split": spec.split, "objective": spec.objective, "packing": spec.packing,
             "seq_len": spec.seq_len, "shards": len(manifest["splits"][spec.split]["shards"]),
             "documents": documents, "tokens": tokens, "num_samples": n,
-            "sample_tokens_per_epoch": per_epoch,
+            "sample_tokens_per_epoch": per_epoch, "real_tokens_per_sample": real,
             "dropped_tail_tokens": tokens - per_epoch if per_epoch is not None else None,
             "vocab_size": int(manifest["vocab_size"])}
+
+
+def real_tokens_per_sample(spec: DataSpec, manifest: dict, num_samples: int
+                           ) -> tuple[int, float]:
+    """(samples, mean real tokens of a sample) of a split: seq_len with "concat"; with "doc"
+    and "doc-packed" the documents' laid-out tokens (read from the shards' index, O(documents))
+    over the samples ("doc-packed": the plan's windows). What --max-tokens counts."""
+    if spec.packing == "concat":
+        return num_samples, float(spec.seq_len)
+    stream = TokenStream(spec.dataset_dir, manifest, spec.split)
+    cls = manifest.get("cls_token_id")
+    cls = int(cls) if cls is not None else None
+    if spec.packing == "doc-packed":
+        plan = pack_plan_of(spec, stream, cls, eval_order=False)
+        return plan.windows, plan.real_tokens / plan.windows
+    lengths = packing.layout_lengths(stream, spec.seq_len, cls_id=cls,
+                                     bert_layout=spec.objective == "mlm")
+    return num_samples, float(lengths.mean())
 
 
 class StreamSampler(Sampler[int]):
@@ -293,25 +376,35 @@ class BatchLayout:
     positions with static shapes, where indexing by a boolean mask would sync the host every
     step. CLM: `input_ids` and `labels`. `attention_mask` only with "doc" packing: in "concat"
     every token is attended to, and an all-ones mask costs the model a host sync to find out.
+    "doc-packed": `position_ids` and `document_ids` instead (the model makes its block-diagonal
+    mask from them on the device: app.model.document_attention). "doc" and "doc-packed" add
+    `tokens`, each sample's real tokens, which the trainer takes out for the telemetry.
     """
 
     keys: tuple[str, ...]
     widths: tuple[int, ...]
 
     @classmethod
-    def of(cls, spec: DataSpec) -> "BatchLayout":
-        seq, slots = spec.seq_len, mlm_slots(spec.seq_len, spec.mask_prob)
+    def of(cls, spec: DataSpec, max_docs: int = 1) -> "BatchLayout":
+        """`max_docs`: the most documents of a sample ("doc-packed"): each may add one masked
+        position to the bound (app.data.masking.mlm_slots)."""
+        seq = spec.seq_len
+        slots = mlm_slots(seq, spec.mask_prob) + max_docs - 1
         keys, widths = ((("input_ids", "mlm_positions", "mlm_labels"), (seq, slots, slots))
                         if spec.objective == "mlm" else (("input_ids", "labels"), (seq, seq)))
         if spec.packing == "doc":
             keys, widths = keys + ("attention_mask",), widths + (seq,)
+        elif spec.packing == "doc-packed":
+            keys, widths = keys + ("position_ids", "document_ids"), widths + (seq, seq)
+        if spec.packing in packing.DOC_PACKINGS:  # each sample's real tokens: the telemetry's
+            keys, widths = keys + ("tokens",), widths + (1,)
         return cls(keys, widths)
 
     def columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A micro batch of full-length [B, seq_len] arrays (TokenWindows.batch) in this layout:
         for MLM each row's selected positions in order, then padding (position 0, label
         IGNORE_INDEX)."""
-        out = {k: np.asarray(batch[k]) for k in ("input_ids", "labels", "attention_mask")}
+        out = {k: np.asarray(v) for k, v in batch.items() if k in self.keys or k == "labels"}
         if "mlm_positions" in self.keys:
             labels = out.pop("labels")
             slots = self.widths[self.keys.index("mlm_positions")]
@@ -338,8 +431,7 @@ class BatchLayout:
         else:
             errors = [s["error"] for s in samples if "error" in s]
             batch = {"error": errors[0]} if errors else {
-                k: np.stack([s[k].numpy() for s in samples])
-                for k in ("input_ids", "labels", "attention_mask")}
+                k: np.stack([s[k].numpy() for s in samples]) for k in samples[0]}
         if "error" in batch:
             return batch["error"]
         columns = self.columns(batch)
@@ -403,7 +495,7 @@ def _term_later(signum, frame) -> None:
 
 def _loader(dataset: Dataset, sampler: Iterable[int], micro_batch: int, num_workers: int,
             pin_memory: bool, prefetch_factor: int) -> MicroBatches:
-    layout = BatchLayout.of(dataset.spec)
+    layout = BatchLayout.of(dataset.spec, dataset.max_docs)
     extra = {}
     if num_workers > 0:
         extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor,
@@ -464,6 +556,7 @@ class EvalPass(Dataset):
 
     def __init__(self, samples: TokenWindows, total: int):
         self.samples, self.total, self.spec = samples, total, samples.spec
+        self.max_docs = samples.max_docs
 
     def __getitem__(self, position: int) -> dict[str, torch.Tensor]:
         sample = self.samples[int(position) % self.total]

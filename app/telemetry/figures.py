@@ -3,8 +3,10 @@ stragglers and memory (docs/design.md, "Metrics"). Pure functions: the trainer g
 row per rank at the log interval (the only cross-rank traffic of telemetry) and hands it here.
 
 Per rank, a window holds: its wall time, its time waiting for data, its forward time (device
-time, from accelerator events), its memory, and the model state it holds (parameters,
-gradients, optimizer states; measured at the window's last step). In synchronous data
+time, from accelerator events), its memory, the model state it holds (parameters,
+gradients, optimizer states; measured at the window's last step) and the real (not padding)
+tokens of its micro batches: throughput and MFU count those, and `data/padding_pct` is the rest's
+share of the window's sample tokens. In synchronous data
 parallelism every rank's wall time is about the same (they wait for each other in the gradient
 reduction); what tells a straggler apart is where its time went: a starved loader shows as data
 wait, a slow device as a longer forward. `perf/slowest_rank` is the rank with the most of both:
@@ -18,7 +20,8 @@ from typing import Any, Sequence
 from app.telemetry import hardware
 
 # the order of one rank's row in the gather
-ROW = ("wall", "data_wait", "forward", "mem", "mem_reserved", "mem_peak", "model_state")
+ROW = ("wall", "data_wait", "forward", "mem", "mem_reserved", "mem_peak", "model_state",
+       "real_tokens")
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,9 @@ def interval(rows: Sequence[Sequence[float]], steps: int, shape: RunShape) -> di
     n, steps = len(rows), max(steps, 1)
     wall = max(sum(col["wall"]) / n, 1e-9)
     samples = steps * shape.global_batch
-    tokens_per_sec = samples * shape.seq_len / wall
+    window_tokens = samples * shape.seq_len  # the samples' tokens, padding included
+    real = sum(col["real_tokens"]) if "real_tokens" in col else window_tokens
+    tokens_per_sec = real / wall  # real tokens: padding is not throughput
     per_rank_ms = [1000.0 * w / steps for w in col["wall"]]
     wait_pct = [100.0 * d / max(w, 1e-9) for d, w in zip(col["data_wait"], col["wall"])]
     held_up_by = [d + f for d, f in zip(col["data_wait"], col["forward"])]
@@ -59,7 +64,8 @@ def interval(rows: Sequence[Sequence[float]], steps: int, shape: RunShape) -> di
            "perf/slowest_rank": held_up_by.index(max(held_up_by)),
            "perf/tflops_per_device": tflops,
            "sys/mem_gb": max(col["mem"]), "sys/mem_reserved_gb": max(col["mem_reserved"]),
-           "sys/max_mem_gb": max(col["mem_peak"])}
+           "sys/max_mem_gb": max(col["mem_peak"]),
+           "data/padding_pct": 100.0 * max(0.0, 1.0 - real / max(window_tokens, 1))}
     if max(col.get("model_state", [0.0])) > 0:  # measured at the window's last step
         out["sys/model_state_gb"] = max(col["model_state"])
     if shape.peak_tflops:

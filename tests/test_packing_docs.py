@@ -1,0 +1,299 @@
+"""--packing doc-packed: whole documents side by side in a window, each attending only to itself
+(app/data/packing.py, app.model.document_attention), and real-token accounting in every packing."""
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app.data import packing
+from app.data.loader import (DataSpec, MixtureSpec, TokenWindows, build_eval_loader,
+                             build_train_loader, dataset_stats)
+from app.data.masking import IGNORE_INDEX
+from app.model import build_config, build_model, check_packed_attention, document_attention
+from app.telemetry import figures as telemetry
+from app.trainer import real_tokens, token_sums
+from data_tools.errors import UserError
+from helpers import check, clean_env, free_port, run_app, train_losses
+from test_data import CLS, PAD, SEP, random_docs, write_dataset
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory) -> Path:
+    """Short documents (some longer than SEQ, so truncated) in two train shards, and a val split."""
+    rng = np.random.default_rng(1)
+    train = [random_docs(rng, 40, 2, 30), random_docs(rng, 25, 2, 90)]
+    val = [random_docs(rng, 30, 2, 40) + random_docs(rng, 3, 70, 90)]
+    return write_dataset(tmp_path_factory.mktemp("docs") / "ds", {"train": train, "val": val})
+
+
+def spec(root: Path, packing_: str = "doc-packed", **kw) -> DataSpec:
+    args = {"dataset_dir": root, "split": "train", "seq_len": SEQ, "objective": "mlm",
+            "packing": packing_, "seed": 3}
+    args.update(kw)
+    return DataSpec(**args)
+
+
+def take(loader, count: int) -> list[dict[str, torch.Tensor]]:
+    return list(itertools.islice(iter(loader), count))
+
+
+def unmasked(batch: dict[str, np.ndarray]) -> np.ndarray:
+    return np.where(batch["labels"] != IGNORE_INDEX, batch["labels"], batch["input_ids"])
+
+
+# -- layout ---------------------------------------------------------------------------------------
+
+def test_each_document_is_laid_out_as_doc_lays_it_out(short_docs):
+    packed, doc = TokenWindows(spec(short_docs)), TokenWindows(spec(short_docs, "doc"))
+    plan = packed.plan
+    assert sorted(plan.documents.tolist()) == list(range(doc.num_samples))  # each exactly once
+    assert packed.num_samples == plan.windows < doc.num_samples
+    seen = 0
+    for w in range(plan.windows):
+        batch = packed._packed_batch(np.array([w]), np.array([w]))  # window w itself
+        ids, pos, did = unmasked(batch)[0], batch["position_ids"][0], batch["document_ids"][0]
+        at = 0
+        for place, d in enumerate(plan.window(w).tolist(), start=1):
+            want, length = packing.doc_sample(doc.stream, d, SEQ, pad_id=PAD, eod_id=SEP,
+                                              cls_id=CLS, bert_layout=True)
+            assert ids[at:at + length].tolist() == want[:length].tolist()
+            assert ids[at] == CLS and ids[at + length - 1] == SEP  # [SEP] kept on truncation
+            assert pos[at:at + length].tolist() == list(range(length))
+            assert (did[at:at + length] == place).all()
+            at += length
+        assert batch["tokens"][0, 0] == at <= SEQ
+        assert (did[at:] == 0).all() and (ids[at:] == PAD).all()
+        assert (batch["labels"][0, at:] == IGNORE_INDEX).all()  # padding: no loss
+        seen += at
+    assert seen == plan.real_tokens
+
+
+def test_the_plan_is_a_pure_function_of_the_seed_and_small(short_docs):
+    lengths = np.random.default_rng(0).integers(1, SEQ + 1, size=5000)
+    a = packing.pack_plan(lengths, SEQ, seed=3, max_docs=8)
+    b = packing.pack_plan(lengths, SEQ, seed=3, max_docs=8)
+    c = packing.pack_plan(lengths, SEQ, seed=4, max_docs=8)
+    assert np.array_equal(a.documents, b.documents) and np.array_equal(a.starts, b.starts)
+    assert not np.array_equal(a.documents, c.documents)
+    sums = np.add.reduceat(lengths[a.documents], a.starts[:-1])
+    assert sums.max() <= SEQ and np.diff(a.starts).max() == a.max_docs <= 8
+    assert a.real_tokens / (a.windows * SEQ) > 0.95  # best fit leaves little padding
+    assert a.documents.nbytes + a.starts.nbytes <= 16 * lengths.size + 16 * a.windows
+
+
+def test_masked_positions_fit_the_width_with_many_documents(tmp_path):
+    """Each document of a window may add a masked position (at least one per document): the
+    width of mlm_positions grows with the plan's most documents, so none is lost."""
+    rng = np.random.default_rng(2)
+    root = write_dataset(tmp_path / "ds", {"train": [random_docs(rng, 200, 1, 4)]})
+    s = spec(root, seq_len=32)
+    batch = take(build_train_loader(s, micro_batch=4, global_batch=4, dp_rank=0, dp_size=1,
+                                    consumed_samples=0, num_workers=0), 3)
+    ds = TokenWindows(s)
+    assert ds.max_docs == 2 and ds.plan.max_docs == 2  # the cap: max(2, seq_len // 16)
+    for b, positions in zip(batch, range(0, 12, 4)):
+        labels = ds.batch(list(range(positions, positions + 4)))["labels"]
+        assert (b["mlm_labels"] != IGNORE_INDEX).sum() == (labels != IGNORE_INDEX).sum()
+
+
+def test_decoders_are_refused(short_docs):
+    with pytest.raises(UserError, match="doc-packed: for MLM"):
+        spec(short_docs, objective="clm")
+
+
+# -- the math per document ---------------------------------------------------------------------
+
+def eval_loss(root: Path, mode: str, attn: str) -> tuple[float, float]:
+    """(eval loss, predicted tokens) of one fixed bert-tiny over the whole val split."""
+    config = build_config("bert-tiny", vocab_size=500, attn_implementation=attn,
+                          special_ids={"pad_token_id": PAD, "cls_token_id": None})
+    model = build_model(config, seed=0, for_training=True).eval()
+    loader = build_eval_loader(spec(root, mode, split="val"), micro_batch=3, dp_rank=0,
+                               dp_size=1, max_samples=None, num_workers=0)
+    sums = torch.zeros(3, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in loader:
+            real_tokens(batch, SEQ)
+            sums += token_sums(model(**batch).logits, batch["mlm_labels"], "mlm")
+    return float(sums[0] / sums[1]), float(sums[1])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_eval_loss_of_packed_documents_equals_doc(short_docs, attn):
+    doc, doc_tokens = eval_loss(short_docs, "doc", attn)
+    packed, packed_tokens = eval_loss(short_docs, "doc-packed", attn)
+    assert packed_tokens == doc_tokens  # the same masked tokens of the same documents
+    assert abs(packed - doc) <= 1e-5 * doc
+
+
+def test_document_attention_is_block_diagonal():
+    ids = torch.tensor([[1, 1, 2, 2, 2, 0]])
+    mask = document_attention(ids, "sdpa", torch.float32)[0, 0]
+    assert mask.shape == (6, 6) and mask.dtype == torch.bool
+    assert mask[0, :2].all() and not mask[0, 2:].any() and not mask[2, :2].any()
+    assert mask[5].tolist() == [False] * 5 + [True]  # padding: no empty softmax row
+    additive = document_attention(ids, "eager", torch.float32)[0, 0]
+    assert additive[0, 1] == 0 and additive[0, 2] == torch.finfo(torch.float32).min
+    with pytest.raises(UserError, match="needs a mask"):
+        document_attention(ids, "flash_attention_2", torch.bfloat16)
+
+
+def test_models_without_the_plumbing_are_refused_at_start_up():
+    bert = build_config("bert-tiny", vocab_size=500, special_ids={},
+                        attn_implementation="flash_attention_2")
+    with pytest.raises(UserError, match="needs a mask"):
+        check_packed_attention(bert)
+    gpt = build_config("gpt-tiny", vocab_size=500, special_ids={})
+    with pytest.raises(UserError, match="not supported for gpt2 models"):
+        check_packed_attention(gpt)
+    check_packed_attention(build_config("bert-tiny", vocab_size=500, special_ids={}))
+
+
+# -- order, resume, mixtures, ranks --------------------------------------------------------------
+
+def test_resume_mid_run_gives_the_tail_exactly(short_docs):
+    kw = {"micro_batch": 2, "global_batch": 4, "dp_rank": 1, "dp_size": 2}
+    s = spec(short_docs)
+    full = take(build_train_loader(s, consumed_samples=0, num_workers=0, **kw), 40)
+    resumed = take(build_train_loader(s, consumed_samples=4 * 13, num_workers=1, **kw), 27)
+    for a, b in zip(full[13:], resumed):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # 40 micro batches of 2 cross epochs (the plan has fewer windows): masks differ by epoch
+    windows = TokenWindows(s).num_samples
+    assert 40 * 4 > 2 * windows
+
+
+def test_a_mixture_of_packed_sources(short_docs, tmp_path):
+    rng = np.random.default_rng(7)
+    other = write_dataset(tmp_path / "other", {"train": [random_docs(rng, 50, 2, 12)]})
+    mix = MixtureSpec(sources=(spec(short_docs), spec(other, seed=11)), names=("a", "b"),
+                      weights=(0.5, 0.5))
+    batches = take(build_train_loader(mix, micro_batch=4, global_batch=4, dp_rank=0, dp_size=1,
+                                      consumed_samples=0, num_workers=0), 6)
+    again = take(build_train_loader(mix, micro_batch=4, global_batch=4, dp_rank=0, dp_size=1,
+                                    consumed_samples=12, num_workers=0), 3)
+    for a, b in zip(batches[3:], again):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    slots = max(TokenWindows(s).max_docs for s in mix.sources)
+    assert batches[0]["mlm_positions"].shape[1] == int(0.15 * SEQ) + slots
+    for b in batches:  # positions restart at each document, ids number them
+        starts = b["position_ids"] == 0
+        assert ((b["document_ids"] > 0) & starts).sum() == (b["document_ids"].amax(1)).sum()
+
+
+RANK_SCRIPT = '''
+import os, sys, itertools, torch
+sys.path.insert(0, {repo!r})
+from app.data.loader import DataSpec, build_train_loader
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+spec = DataSpec({data!r}, "train", {seq}, "mlm", "doc-packed", seed=3)
+loader = build_train_loader(spec, micro_batch=2, global_batch=8, dp_rank=rank, dp_size=world,
+                            consumed_samples=16, num_workers=1)
+torch.save(list(itertools.islice(iter(loader), 10)), os.path.join({out!r}, f"rank{{rank}}.pt"))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_two_ranks_read_the_one_rank_stream_of_windows(short_docs, tmp_path):
+    """Two real rank processes (the deepspeed launcher, a loader worker each) read together
+    exactly what one rank reads: a window is a sample, cut by ranks like any other."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT.format(repo=repo, data=str(short_docs), seq=SEQ,
+                                         out=str(tmp_path)))
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    proc = subprocess.run([launcher, "--num_gpus", "2", "--no_local_rank", "--master_port",
+                           str(free_port()), str(script)], cwd=repo, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    one = take(build_train_loader(spec(short_docs), micro_batch=2, global_batch=8, dp_rank=0,
+                                  dp_size=1, consumed_samples=16, num_workers=0), 20)
+    for g in range(5):
+        got = ranks[0][2 * g:2 * g + 2] + ranks[1][2 * g:2 * g + 2]
+        for a, b in zip(one[4 * g:4 * g + 4], got):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- real tokens ---------------------------------------------------------------------------------
+
+def test_stats_count_real_tokens_per_sample(short_docs):
+    concat = dataset_stats(spec(short_docs, "concat"))
+    doc = dataset_stats(spec(short_docs, "doc"))
+    packed = dataset_stats(spec(short_docs))
+    assert concat["real_tokens_per_sample"] == SEQ
+    lengths = [TokenWindows(spec(short_docs, "doc")).batch([p])["tokens"][0, 0]
+               for p in range(doc["num_samples"])]
+    assert doc["real_tokens_per_sample"] == pytest.approx(np.mean(lengths))
+    assert packed["num_samples"] * packed["real_tokens_per_sample"] == pytest.approx(
+        sum(lengths))
+    assert doc["real_tokens_per_sample"] < packed["real_tokens_per_sample"] <= SEQ
+
+
+def test_a_batch_hands_over_its_real_tokens(short_docs):
+    for mode, want in (("doc", None), ("doc-packed", None), ("concat", 2 * SEQ)):
+        batch = take(build_train_loader(spec(short_docs, mode), micro_batch=2, global_batch=2,
+                                        dp_rank=0, dp_size=1, consumed_samples=0,
+                                        num_workers=0), 1)[0]
+        expected = want if want is not None else int(batch["tokens"].sum())
+        assert real_tokens(batch, SEQ) == expected and "tokens" not in batch
+        if mode != "concat":
+            assert expected < 2 * SEQ
+
+
+def test_interval_counts_real_tokens_and_padding():
+    shape = telemetry.RunShape(global_batch=4, seq_len=100, world_size=2, flops_per_token=1e9,
+                               peak_tflops=10.0)
+    rows = [[2.0, 0.0, 1.0, 1, 1, 1, 0, 300.0], [2.0, 0.0, 1.0, 1, 1, 1, 0, 500.0]]
+    f = telemetry.interval(rows, 2, shape)  # 2 steps x 4 samples x 100 = 800 slots, 800 real
+    assert f["perf/tokens_per_sec"] == 400.0 and f["data/padding_pct"] == 0.0
+    rows[1][-1] = 100.0
+    f = telemetry.interval(rows, 2, shape)
+    assert f["perf/tokens_per_sec"] == 200.0 and f["data/padding_pct"] == 50.0
+    assert f["perf/mfu"] == pytest.approx(200.0 * 1e9 / 2 / 1e12 / 10.0)
+    assert f["perf/samples_per_sec"] == 4.0
+
+
+@pytest.mark.slow
+def test_a_packed_run_logs_padding_and_stops_at_its_real_tokens(mlm_dataset, tmp_path):
+    """`app train --packing doc-packed`: --max-tokens counts real tokens (the dataset's mean a
+    window), every log interval has data/padding_pct, and the run exports like any other."""
+    run = tmp_path / "run"
+    stats = dataset_stats(DataSpec(mlm_dataset, "train", 128, "mlm", "doc-packed", seed=5))
+    per_step = 4 * stats["real_tokens_per_sample"]
+    check(run_app("train", "--data", mlm_dataset, "--out", run, "--model", "bert-tiny",
+                  "--seq-len", "128", "--micro-batch", "4", "--packing", "doc-packed",
+                  "--max-tokens", str(int(6.5 * per_step)), "--log-every", "2", "--seed", "5",
+                  "--eval-every", "0", "--save-every", "0", "--wandb", "disabled"))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "perf/tokens_per_sec" in r]
+    assert [r["step"] for r in logged] == [2, 4, 6, 7]  # ceil(6.5 steps of real tokens)
+    assert all(0 <= r["data/padding_pct"] < 25 for r in logged)
+    assert any("eval/loss" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_a_packed_run_resumes_exactly(mlm_dataset, tmp_path):
+    """6 steps straight vs 3, stop, resume (dropout on, a loader worker): the same losses."""
+    common = ["--data", mlm_dataset, "--model", "bert-tiny", "--packing", "doc-packed",
+              "--seq-len", "128", "--micro-batch", "4", "--max-steps", "6", "--grad-accum", "2",
+              "--dropout", "0.1", "--log-every", "1", "--eval-every", "3", "--eval-samples", "8",
+              "--num-workers", "1", "--wandb", "disabled"]
+    check(run_app("train", *common, "--out", tmp_path / "straight"))
+    check(run_app("train", *common, "--out", tmp_path / "split", "--stop-at-step", "3"))
+    assert "resumed from" in check(run_app("train", *common, "--out", tmp_path / "split")).stderr
+    straight, split = train_losses(tmp_path / "straight"), train_losses(tmp_path / "split")
+    assert sorted(split) == sorted(straight) == list(range(1, 7))
+    for step in straight:
+        assert split[step] == pytest.approx(straight[step], abs=1e-6), step

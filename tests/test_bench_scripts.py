@@ -44,9 +44,13 @@ def imported_names(path: Path) -> list[tuple[str, str | None]]:
     return found
 
 
+# scripts that only start the app as processes (their runs below are their check)
+PROCESS_ONLY = ("soak.py", "bench_fds.py")
+
+
 def test_the_scripts_read_the_app_through_imports_this_test_sees():
     assert len(SCRIPTS) >= 9 and all(imported_names(REPO / "bench" / s)
-                                     for s in SCRIPTS if s != "soak.py")
+                                     for s in SCRIPTS if s not in PROCESS_ONLY)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -112,3 +116,13 @@ def test_bench_telemetry_prices_the_instrumentation_of_a_step(mlm_dataset):
     out = ok(bench("bench_telemetry.py", "--data", mlm_dataset, "--seq-len", "32",
                    "--micro-batch", "2", "--steps", "2", "--log-every", "1"))
     assert out.splitlines()[-1].startswith("overhead: ") and "% of the step" in out
+
+
+@pytest.mark.slow
+def test_bench_fds_counts_a_two_rank_jobs_descriptors_and_sockets(mlm_dataset, tmp_path):
+    out = tmp_path / "fds.json"
+    ok(bench("bench_fds.py", "--sizes", "2", "--ref", "none", "--data", mlm_dataset,
+             "--json", out, timeout=600))
+    rows = {r["ranks"]: r for r in json.loads(out.read_text())["rows"] if r["tree"] == "this"}
+    for who in ("rank0", "others"):  # a real job's descriptors: some sockets, and a bound total
+        assert 0 < rows[who]["tcp"]["2"] <= rows[who]["fds"]["2"] < 200, rows[who]

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from data_tools import manifest as mf
 from data_tools.errors import UserError
 from data_tools.indexed import FormatError, IndexedShard
+from data_tools import schema
 from data_tools.schema import check_regular
 
 
@@ -91,7 +92,9 @@ def verify(d: Path, m: dict[str, Any], show_progress: bool = True) -> list[str]:
             is_shard = "/" not in rel  # shards sit at the top, tokenizer files below
             where = f"shard {rel.rsplit('.', 1)[0]}: {path}" if is_shard else str(path)
             if not path.is_file():
-                problems.append(f"{where}: missing")
+                kind = schema.not_regular(path.stat().st_mode) if path.exists() else None
+                problems.append(f"{where}: " + (f"is {kind}, expected a regular file" if kind
+                                                 else "missing"))
                 continue
             actual = path.stat().st_size
             if actual != size:

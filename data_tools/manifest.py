@@ -41,7 +41,8 @@ import xxhash
 
 from data_tools.errors import UserError
 from data_tools.output import write_json_atomic
-from data_tools.schema import NonNegativeInt, PositiveInt, Schema, check, read_json
+from data_tools.schema import (NonNegativeInt, PositiveInt, Schema, check, check_regular,
+                               read_json)
 
 MANIFEST = "dataset.json"
 FORMAT = "dspretrain-dataset"
@@ -118,10 +119,10 @@ def checksum_and_range(path: str | os.PathLike, dtype: np.dtype | None = None, *
 def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
     """Hash of tokenizer.json (the whole vocabulary, merges, normaliser and special tokens)."""
     path = Path(tokenizer_dir) / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise UserError(f"{tokenizer_dir}: no tokenizer.json (not a Hugging Face tokenizer "
                         f"directory)")
-    return file_checksum(path)
+    return file_checksum(check_regular(path))  # a FIFO, directory or dangling link: named
 
 
 def dataset_fingerprint(manifest: dict[str, Any]) -> str:

@@ -83,7 +83,8 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR,
           (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a directory"))
 
 
-def _not_regular(mode: int) -> str:
+def not_regular(mode: int) -> str:
+    """What a file of this st_mode is when it is not a regular file ("a FIFO", ...)."""
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
@@ -103,7 +104,7 @@ def open_regular(path: str | os.PathLike, missing: str | None = None) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise UserError(f"{path}: is {_not_regular(mode)}, expected a regular file")
+        raise UserError(f"{path}: is {not_regular(mode)}, expected a regular file")
     os.set_blocking(fd, True)
     return fd
 

@@ -234,7 +234,7 @@ def test_a_tokenizer_file_that_is_not_a_regular_file_is_named(wordpiece_tokenize
     assert str(e.value) == f"{bad}: is {NOT_REGULAR[kind]}, expected a regular file"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_prepare_and_inspect_refuse_a_fifo_tokenizer_file(wordpiece_tokenizer, mlm_dataset,
                                                           stdlib_dir, tmp_path):
     """The commands, in processes of their own: exit 2, one line, no traceback, no hang (inspect
@@ -254,6 +254,16 @@ def test_prepare_and_inspect_refuse_a_fifo_tokenizer_file(wordpiece_tokenizer, m
         assert error_lines(proc.stderr) == [f"python -m data_tools {argv[0]}: error: {fifo}: is "
                                              f"a FIFO, expected a regular file"]
     assert not (tmp_path / "out").exists()
+    # the dataset's own copy: inspect --verify names what it is, app train refuses it
+    fifo = ds / "tokenizer" / "tokenizer.json"
+    proc = subprocess.run([sys.executable, "-m", "data_tools", "inspect", "--verify", str(ds)],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"{fifo}: is a FIFO, expected a regular file" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "app", "train", "--data", str(ds), "--out",
+                           str(tmp_path / "run"), "--max-steps", "1"], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{fifo}: is a FIFO, expected a regular file" in proc.stderr
 
 
 # -- a run that cannot learn ----------------------------------------------------------------

@@ -109,3 +109,24 @@ def remanifest(tag: Path) -> None:
     the test checks is the check behind the manifest, not the manifest."""
     from app.checkpoint import manifest
     manifest.write(tag, manifest.own_entries(tag, 0))
+
+
+def flip(path: Path, n: int = 4096) -> None:
+    """Invert n bytes in the middle of a file (same size: only its checksum tells)."""
+    with open(path, "r+b") as f:
+        at = path.stat().st_size // 2 - n // 2
+        f.seek(at)
+        data = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def deepspeed_script(script: Path, cwd: str, procs: int = 2,
+                     timeout: int = 300) -> subprocess.CompletedProcess:
+    """`script` on `procs` ranks started by the real deepspeed launcher; asserts it succeeded."""
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    proc = subprocess.run([launcher, "--num_gpus", str(procs), "--no_local_rank", "--master_port",
+                           str(free_port()), str(script)], cwd=cwd, env=clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

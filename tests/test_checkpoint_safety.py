@@ -13,7 +13,7 @@ import pytest
 
 from app.checkpoint import manifest
 from data_tools.errors import UserError
-from tests.helpers import TINY, check, error_lines, metrics, run_app, snapshot
+from tests.helpers import TINY, check, error_lines, flip, metrics, run_app, snapshot
 
 BASE = [*TINY, "--save-every", "5", "--dropout", "0"]
 TAG5, TAG10 = "global_step5", "global_step10"
@@ -46,14 +46,6 @@ def logged_steps(run: Path) -> list[int]:
     return [m["step"] for m in metrics(run) if "train/loss" in m]
 
 
-def flip(path: Path, n: int = 4096) -> None:
-    """Invert n bytes in the middle of a file (same size)."""
-    with open(path, "r+b") as f:
-        at = path.stat().st_size // 2 - n // 2
-        f.seek(at)
-        data = f.read(n)
-        f.seek(at)
-        f.write(bytes(b ^ 0xFF for b in data))
 
 
 # -- 1. a damaged `latest` ----------------------------------------------------------------------

@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +16,7 @@ from data_tools.errors import UserError
 from data_tools.indexed import ShardWriter, token_dtype
 from data_tools.manifest import (FORMAT, FORMAT_VERSION, file_checksum, load_manifest,
                                  write_manifest)
-from helpers import clean_env, free_port
+from helpers import deepspeed_script
 
 VOCAB = 500
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
@@ -448,11 +445,7 @@ def test_ranks_started_by_the_deepspeed_launcher_read_their_slices(small_dataset
     repo = str(Path(__file__).resolve().parent.parent)
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT.format(repo=repo, data=str(root), out=str(tmp_path)))
-    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--no_local_rank", "--master_port",
-                           str(free_port()), str(script)], cwd=repo, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    deepspeed_script(script, repo)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     one = take_batches(build_train_loader(spec(root, objective="mlm"), micro_batch=2,
                                           global_batch=8, dp_rank=0, dp_size=1,

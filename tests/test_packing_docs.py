@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +18,7 @@ from app.model import build_config, build_model, check_packed_attention, documen
 from app.telemetry import figures as telemetry
 from app.trainer import real_tokens, token_sums
 from data_tools.errors import UserError
-from helpers import check, clean_env, free_port, run_app, train_losses
+from helpers import check, deepspeed_script, run_app, train_losses
 from test_data import CLS, PAD, SEP, random_docs, write_dataset
 
 SEQ = 64
@@ -212,11 +209,7 @@ def test_two_ranks_read_the_one_rank_stream_of_windows(short_docs, tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT.format(repo=repo, data=str(short_docs), seq=SEQ,
                                          out=str(tmp_path)))
-    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--no_local_rank", "--master_port",
-                           str(free_port()), str(script)], cwd=repo, env=clean_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    deepspeed_script(script, repo)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     one = take(build_train_loader(spec(short_docs), micro_batch=2, global_batch=8, dp_rank=0,
                                   dp_size=1, consumed_samples=16, num_workers=0), 20)

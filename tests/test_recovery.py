@@ -20,7 +20,7 @@ from app.faults import anomaly
 from app.faults.preemption import EXIT_PREEMPTED
 from app.faults.recovery import Recovery
 from data_tools.errors import Stopped
-from tests.helpers import REPO, TINY, check, clean_env, free_port, metrics, run_app
+from tests.helpers import REPO, TINY, check, clean_env, flip, free_port, metrics, run_app
 
 GBS, SEQ = 4, 8  # samples a global batch, tokens a sample
 
@@ -189,14 +189,6 @@ def test_no_checkpoint_to_roll_back_to_stops(tmp_path):
         run.check()
 
 
-def flip(path, n: int = 1024) -> None:
-    """Invert n bytes in the middle of a file (same size: only its checksum tells)."""
-    with open(path, "r+b") as f:
-        at = path.stat().st_size // 2 - n // 2
-        f.seek(at)
-        data = f.read(n)
-        f.seek(at)
-        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def test_a_damaged_last_checkpoint_rolls_back_to_the_previous_good_one(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from app.faults import injection
 from app.runtime.dist import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,16 +112,6 @@ def remanifest(tag: Path) -> None:
     manifest.write(tag, manifest.own_entries(tag, 0))
 
 
-def flip(path: Path, n: int = 4096) -> None:
-    """Invert n bytes in the middle of a file (same size: only its checksum tells)."""
-    with open(path, "r+b") as f:
-        at = path.stat().st_size // 2 - n // 2
-        f.seek(at)
-        data = f.read(n)
-        f.seek(at)
-        f.write(bytes(b ^ 0xFF for b in data))
-
-
 def deepspeed_script(script: Path, cwd: str, procs: int = 2,
                      timeout: int = 300) -> subprocess.CompletedProcess:
     """`script` on `procs` ranks started by the real deepspeed launcher; asserts it succeeded."""
@@ -130,3 +121,6 @@ def deepspeed_script(script: Path, cwd: str, procs: int = 2,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+flip = injection.flip  # the tests damage a checkpoint file as the fault injection does

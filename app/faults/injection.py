@@ -102,10 +102,14 @@ def damage_after_save(step: int, tag_dir: Path, env: Mapping[str, str] = os.envi
     if env.get("DSPRETRAIN_TEST_DAMAGE_SAVE") != str(step) or str(step) in _damaged:
         return
     _damaged.add(str(step))
-    path = next(tag_dir.glob("mp_rank_*_model_states.pt"))
+    flip(next(tag_dir.glob("mp_rank_*_model_states.pt")))
+
+
+def flip(path: Path, n: int = 4096) -> None:
+    """Invert n bytes in the middle of a file, its size kept: damage only its checksum tells."""
     with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2 - 2048)
-        data = f.read(4096)
+        f.seek(path.stat().st_size // 2 - n // 2)
+        data = f.read(n)
         f.seek(-len(data), os.SEEK_CUR)
         f.write(bytes(b ^ 0xFF for b in data))
 

@@ -5,6 +5,7 @@ the dataset's tokenizer, and any config field can be overridden (`--model-arg ke
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from dataclasses import dataclass
@@ -13,13 +14,15 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig,
-                          BertForMaskedLM, GPT2Config, LlamaConfig, ModernBertConfig,
-                          ModernBertForMaskedLM, PretrainedConfig, PreTrainedModel, RobertaConfig,
-                          RobertaForMaskedLM)
-from transformers.modeling_outputs import MaskedLMOutput
+from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM,
+                          AutoModelForMaskedLM, BertConfig, BertForMaskedLM, GPT2Config,
+                          GPT2LMHeadModel, LlamaConfig, ModernBertConfig, ModernBertForMaskedLM,
+                          PretrainedConfig, PreTrainedModel, RobertaConfig, RobertaForMaskedLM)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, MaskedLMOutput
 
 from app.data.masking import IGNORE_INDEX
+from app.losses import causal_lm_loss
 from app.rundir import is_run_dir
 from app.runtime.zero3_init import partitioned
 from data_tools.errors import UserError
@@ -319,6 +322,95 @@ SPARSE_HEADS = {"bert": SparseHeadBertForMaskedLM, "roberta": SparseHeadRobertaF
                 "modernbert": SparseHeadModernBertForMaskedLM}
 
 
+CAUSAL_SDPA = "sdpa_causal"
+"""The attention a training GPT-2 runs where the config says "sdpa" (causal_sdpa)."""
+
+
+def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention under a name its mask functions do not know (CAUSAL_SDPA).
+
+    Without an inference cache, `create_causal_mask` looks at the position ids for packed
+    sequences (`find_packed_sequence_indices`: a `.all()` read on the host every forward), and
+    with padding `sdpa_mask` reads the mask to see whether it can skip it (another). For an
+    implementation outside its mask mapping it returns the mask it was given at once
+    (`_preprocess_mask_arguments`, transformers 5.24), with no work and no read: no mask is SDPA's
+    own causal kernel (is_causal=True), and a padded batch comes with the 4D mask that
+    CausalLossGPT2LMHeadModel builds on the device (causal_attention)."""
+    if attention_mask is None:
+        kwargs["is_causal"] = True
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(CAUSAL_SDPA, causal_sdpa)
+
+
+def causal_attention(attention_mask: torch.Tensor | None, seq: int, implementation: str,
+                     dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The attention mask a training GPT-2 hands its layers, built on the device (no host read):
+    None for CAUSAL_SDPA without padding; else causal and, given the loader's [batch, seq]
+    `attention_mask` (1 = token, 0 = padding), not onto padding (transformers' own causal mask
+    with padding: `causal_mask_function` and `padding_mask_function`), [batch or 1, 1, seq, seq]:
+    boolean for SDPA (True = attend), additive for eager attention (which masks nothing itself)."""
+    if attention_mask is None and implementation == CAUSAL_SDPA:
+        return None
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+    if implementation == CAUSAL_SDPA:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(
+        ~mask, torch.finfo(dtype).min)
+
+
+class LossHead(torch.nn.Linear):
+    """A causal LM's tied head that, given the labels, returns the loss and no logits
+    (app.losses.causal_lm_loss: the logits in chunks, never whole). A module call either way, so
+    under ZeRO-3 this module's hooks gather the weight before the loss reads it and again before
+    its backward, as for the stock head's matrix product."""
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(hidden)
+        return causal_lm_loss(hidden, self.weight, labels, num_items_in_batch)
+
+
+class CausalLossGPT2LMHeadModel(GPT2LMHeadModel):
+    """GPT2LMHeadModel as the app trains it, same weights; exports load as the stock class.
+
+    - The loss: with `labels`, the head and the cross-entropy run on chunks of the hidden states
+      (LossHead); the output has the loss and no logits. Without labels (eval), the logits.
+    - No inference cache: transformers' GPT-2 defaults to `use_cache=True`, which builds a
+      DynamicCache and copies every layer's keys and values each forward. Off, transformers
+      would then look for packed sequences in the position ids on the host every forward; so
+      the model builds its own mask (causal_attention): none with SDPA (causal_sdpa's causal
+      kernel), a 4D one for padded batches or eager attention, which transformers takes as it
+      is. Flash and other attentions keep transformers' own path (and its cache).
+    GPT-2 takes no packed documents (PACKED_MODEL_TYPES): `position_ids`, when given, only number
+    the positions. Not for generation: build the model without `for_training`.
+    """
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None,
+                num_items_in_batch=None, **kwargs):
+        if kwargs.get("use_cache") or kwargs.get("cache") is not None \
+                or kwargs.get("past_key_values") is not None:
+            raise ValueError("a training GPT-2 keeps no inference cache: generate with "
+                             "build_model(config) (for_training=False) or an exported model")
+        implementation = self.config._attn_implementation
+        use_cache = None  # transformers' default (the config's: on)
+        if implementation in (CAUSAL_SDPA, "eager"):
+            attention_mask = causal_attention(attention_mask, input_ids.shape[-1], implementation,
+                                              self.lm_head.weight.dtype, input_ids.device)
+            use_cache = False
+        hidden = self.transformer(input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, use_cache=use_cache,
+                                  **kwargs).last_hidden_state
+        if labels is None:
+            return CausalLMOutputWithCrossAttentions(logits=self.lm_head(hidden))
+        return CausalLMOutputWithCrossAttentions(
+            loss=self.lm_head(hidden, labels, num_items_in_batch))
+
+
 PACKED_MODEL_TYPES = ("bert",)
 """Models whose training forward takes `document_ids` and `position_ids` (--packing doc-packed)."""
 
@@ -390,12 +482,19 @@ def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = Fals
 
 
 def _instantiate(config: PretrainedConfig, auto, for_training: bool) -> torch.nn.Module:
+    gpt2 = for_training and config.model_type == "gpt2"
+    if gpt2:  # its own attention name below: the caller's config (an export's) stays as it is
+        config = copy.deepcopy(config)
     try:
         model = auto.from_config(config, attn_implementation=config._attn_implementation)
         if for_training and config.model_type in SPARSE_HEADS:
             # the same module with the sparse forward: built as the plain class, so the same
             # seed gives the same weights (ModernBERT's init skips a subclass's head)
             model.__class__ = SPARSE_HEADS[config.model_type]
+        if gpt2:  # the chunked loss, no cache, no mask where SDPA needs none; same weights
+            model.__class__, model.lm_head.__class__ = CausalLossGPT2LMHeadModel, LossHead
+            if config._attn_implementation == "sdpa":
+                model.config._attn_implementation = CAUSAL_SDPA
     except (ImportError, ValueError) as e:  # e.g. flash_attention_2 without its package
         raise UserError(f"--attn {config._attn_implementation}: {e}".splitlines()[0]) from None
     return model

@@ -6,9 +6,9 @@ transformers' GPT-2 loss (`ForCausalLMLoss`) takes the full logits, upcasts them
 bf16 logits, a 6.6 GB fp32 copy, as much again for the log-softmax and its gradient, and a
 quarter of an H100 step in memory traffic. Here the LM head's matrix product and the
 cross-entropy run `rows` tokens at a time: each chunk's logits in the model's dtype, their
-log-sum-exp in fp32, and only the per-token log-sum-exp (4 bytes a token) is kept for backward,
-which recomputes each chunk's logits. Same value and gradients as the stock loss (the shift by
-one, IGNORE_INDEX, the mean over the predicted tokens), one more matrix product of the head.
+log-sum-exp and gradient in fp32, then the chunk is freed (LinearCrossEntropy). Same value and
+gradients as the stock loss (the shift by one, IGNORE_INDEX, the mean over the predicted tokens)
+and the same matrix products.
 """
 from __future__ import annotations
 
@@ -25,63 +25,79 @@ width, enough to keep a GPU busy between kernel launches (51 chunks at micro bat
 ROW_MULTIPLE = 64  # chunk rows: whole tiles of the matrix product
 
 
-def chunk_rows(vocab_size: int, budget: int = CHUNK_BYTES) -> int:
-    """Rows a chunk takes: the most whose fp32 logits fit `budget`, a multiple of ROW_MULTIPLE."""
-    rows = budget // (4 * vocab_size)
+def chunk_rows(vocab_size: int, budget: int | None = None) -> int:
+    """Rows a chunk takes: the most whose fp32 logits fit `budget` (CHUNK_BYTES, read at the
+    call: a benchmark may set it), a multiple of ROW_MULTIPLE."""
+    rows = (budget or CHUNK_BYTES) // (4 * vocab_size)
     return max(ROW_MULTIPLE, rows // ROW_MULTIPLE * ROW_MULTIPLE)
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """sum over the rows whose target is not IGNORE_INDEX of cross_entropy(hidden @ weight.T,
-    target), in fp32, `rows` rows at a time; backward recomputes each chunk's logits.
+    target), in fp32, `rows` rows at a time.
+
+    The loss is a sum, so its gradients are known in the forward: each chunk's d loss / d logits
+    (softmax - one_hot(target), fp32) goes into the hidden states' and the weight's gradients
+    (fp32, a few MB to a few hundred) right away and the chunk's logits are freed; backward only
+    scales them by the incoming gradient. The head's matrix products are then the stock loss's
+    three, where recomputing the logits in backward would add a fourth. `with_grads` False (no
+    autograd: an evaluation) computes the loss only.
 
     The weight is an input of the function (not read from a module inside it): autograd hands its
-    gradient to the parameter, where ZeRO's hooks take it, and under ZeRO-3 the caller runs this
+    gradient to the parameter, where ZeRO's hooks take it; under ZeRO-3 the caller runs this
     inside the head module's forward, whose hooks gather the weight for it (app.model.LossHead).
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                rows: int) -> torch.Tensor:
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+                rows: int, with_grads: bool) -> torch.Tensor:
+        fp32 = dict(dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), **fp32)
+        grad_hidden = torch.empty(hidden.shape, **fp32) \
+            if with_grads and ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, **fp32) \
+            if with_grads and ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], rows):
-            logits = (hidden[start:start + rows] @ weight.t()).float()
-            t = target[start:start + rows]
-            here = torch.logsumexp(logits, dim=-1)
-            lse[start:start + rows] = here
-            picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
-            total += torch.where(t != IGNORE_INDEX, here - picked, 0.0).sum()
-        ctx.save_for_backward(hidden, weight, target, lse)
-        ctx.rows = rows
+            end = start + rows
+            total += _chunk(hidden[start:end], weight, target[start:end],
+                            None if grad_hidden is None else grad_hidden[start:end], grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        hidden, weight, target, lse = ctx.saved_tensors
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        # summed over the chunks in fp32 whatever the model's dtype, cast once at the end
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if want_weight else None
-        for start in range(0, hidden.shape[0], ctx.rows):
-            h = hidden[start:start + ctx.rows]
-            t = target[start:start + ctx.rows]
-            keep = t != IGNORE_INDEX
-            # d loss / d logits = softmax - one_hot(target), on the kept rows, times the
-            # incoming gradient; fp32 as the stock loss's, then the model's dtype for the products
-            grad = (h @ weight.t()).float().sub_(lse[start:start + ctx.rows].unsqueeze(1)).exp_()
-            grad.scatter_add_(1, t.clamp(min=0).unsqueeze(1),
-                              torch.full((t.shape[0], 1), -1.0, device=grad.device))
-            grad.mul_(torch.where(keep, grad_total, 0.0).unsqueeze(1))
-            grad = grad.to(hidden.dtype)
-            if want_hidden:
-                grad_hidden[start:start + ctx.rows] = grad @ weight
-            if want_weight:
-                grad_weight += (grad.t() @ h).float()
-        if want_weight:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (None if grad_hidden is None else (grad_hidden * grad_total).to(ctx.dtypes[0]),
+                None if grad_weight is None else (grad_weight * grad_total).to(ctx.dtypes[1]),
+                None, None, None)
+
+
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+           grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None) -> torch.Tensor:
+    """One chunk of LinearCrossEntropy: its loss sum; its gradients written into `grad_hidden`
+    (its rows) and added to `grad_weight`. A function of its own so that the chunk's logits are
+    freed when it returns, before the next chunk's are made."""
+    keep, t = target != IGNORE_INDEX, target.clamp(min=0).unsqueeze(1)
+    logits = (hidden @ weight.t()).float()
+    picked = logits.gather(1, t).squeeze(1)
+    # log-sum-exp and softmax in the logits' own memory: one [rows, vocab] fp32 buffer
+    top = logits.amax(dim=-1, keepdim=True)
+    sums = logits.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    lse = (sums.log() + top).squeeze(1)
+    total = torch.where(keep, lse - picked, 0.0).sum()
+    if grad_hidden is None and grad_weight is None:
+        return total
+    grad = logits.div_(sums)  # softmax
+    grad.scatter_add_(1, t, torch.full(t.shape, -1.0, dtype=grad.dtype, device=grad.device))
+    grad = grad.mul_(keep.unsqueeze(1)).to(hidden.dtype)  # the products in the model's dtype
+    if grad_hidden is not None:
+        grad_hidden.copy_(grad @ weight)
+    if grad_weight is not None and grad.dtype == torch.float32:
+        grad_weight.addmm_(grad.t(), hidden)
+    elif grad_weight is not None:
+        grad_weight.add_(grad.t() @ hidden)
+    return total
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -98,7 +114,8 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     target = shifted.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     flat = hidden.reshape(-1, hidden.shape[-1])
     rows = rows or chunk_rows(weight.shape[0])
-    total = LinearCrossEntropy.apply(flat, weight, target, rows)
+    with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    total = LinearCrossEntropy.apply(flat, weight, target, rows, with_grads)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)

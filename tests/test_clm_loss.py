@@ -51,6 +51,8 @@ def test_the_chunked_loss_has_the_stock_value_and_gradients(rows):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gh, wh, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # the loss alone (an evaluation with labels)
+        torch.testing.assert_close(causal_lm_loss(hidden, weight, labels, rows=rows), want)
     # transformers' sum over a given token count (its gradient-accumulation form)
     (want, wh, ww), (got, gh, gw) = stock_and_chunked(hidden, weight, labels, rows,
                                                       num_items_in_batch=torch.tensor(57))

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         step_time_ratio=chunked["step_s"] / stock["step_s"],
         machine=f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, torch "
                 f"{torch.__version__}",
-        setup=f"{args.model} vocab {args.vocab} seq {args.seq_len} micro batch "
+        setup=f"{' '.join([args.model, *args.model_arg])} vocab {args.vocab} seq {args.seq_len} micro batch "
               f"{args.micro_batch}, fp32, {args.steps} steps x {args.repeats} processes a side")
     print(result["machine"] + "; " + result["setup"])
     for side in SIDES:

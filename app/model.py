@@ -393,9 +393,10 @@ class CausalLossGPT2LMHeadModel(GPT2LMHeadModel):
     def forward(self, input_ids=None, attention_mask=None, labels=None, position_ids=None,
                 num_items_in_batch=None, **kwargs):
         if kwargs.get("use_cache") or kwargs.get("cache") is not None \
-                or kwargs.get("past_key_values") is not None:
-            raise ValueError("a training GPT-2 keeps no inference cache: generate with "
-                             "build_model(config) (for_training=False) or an exported model")
+                or kwargs.get("past_key_values") is not None or input_ids is None:
+            raise ValueError("a training GPT-2 takes input_ids and keeps no inference cache: "
+                             "generate with build_model(config) (for_training=False) or an "
+                             "exported model")
         implementation = self.config._attn_implementation
         use_cache = None  # transformers' default (the config's: on)
         if implementation in (CAUSAL_SDPA, "eager"):
@@ -451,8 +452,9 @@ def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = Fals
                 init_from: Path | None = None) -> torch.nn.Module:
     """A freshly initialised model for the config's objective (same seed, same weights).
 
-    `for_training`: the MLM head takes the loader's masked positions (SparseHeadBertForMaskedLM),
-    and the model skips transformers' per-forward look for padding in inputs given without an
+    `for_training`: the MLM head takes the loader's masked positions (SparseHeadBertForMaskedLM);
+    GPT-2 computes its loss in chunks, without a cache or a host read
+    (CausalLossGPT2LMHeadModel); and the model skips transformers' per-forward look for padding in inputs given without an
     attention mask (a host sync each step; the loader hands over a mask whenever it pads).
     `zero3_config`: a ZeRO-3 DeepSpeed config; the model is then built partitioned
     (`deepspeed.zero.Init`, in a process group): no rank ever holds all of it, and its weights

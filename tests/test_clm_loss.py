@@ -201,7 +201,7 @@ def test_the_training_gpt2_reads_nothing_on_the_host(attn, padded):
 
 def test_a_training_gpt2_refuses_a_cache():
     _, model = gpt()
-    with pytest.raises(ValueError, match="no inference cache"):
+    with pytest.raises(ValueError, match="keeps no inference cache"):
         model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True)
 
 

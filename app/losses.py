@@ -90,7 +90,8 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
         return total
     grad = logits.div_(sums)  # softmax
     grad.scatter_add_(1, t, torch.full(t.shape, -1.0, dtype=grad.dtype, device=grad.device))
-    grad = grad.mul_(keep.unsqueeze(1)).to(hidden.dtype)  # the products in the model's dtype
+    # rows without a target: none (even from non-finite logits); products in the model's dtype
+    grad = grad.masked_fill_(~keep.unsqueeze(1), 0.0).to(hidden.dtype)
     if grad_hidden is not None:
         grad_hidden.copy_(grad @ weight)
     if grad_weight is not None and grad.dtype == torch.float32:

@@ -182,9 +182,10 @@ def step(model, data) -> None:
     model(**data).loss.backward()
 
 
-@pytest.mark.parametrize("attn,padded", [("sdpa", False), ("sdpa", True), ("eager", False)])
-def test_the_training_gpt2_reads_nothing_on_the_host(attn, padded):
-    stock, model = gpt(attn, gradient_checkpointing=False)
+@pytest.mark.parametrize("attn,padded,checkpointing", [
+    ("sdpa", False, False), ("sdpa", True, False), ("eager", False, False), ("sdpa", False, True)])
+def test_the_training_gpt2_reads_nothing_on_the_host(attn, padded, checkpointing):
+    stock, model = gpt(attn, gradient_checkpointing=checkpointing)
     data = batch(padded)
     model.train(), stock.train()
     step(model, data)  # anything once only (first-call set-up) is not per step
@@ -192,8 +193,8 @@ def test_the_training_gpt2_reads_nothing_on_the_host(attn, padded):
         for _ in range(2):
             step(model, data)
     assert not seen, dict(seen)
-    # the probe sees them: transformers' GPT-2 without its cache looks for packed sequences
-    # (or at the padding) on the host every forward
+    # the probe sees them: transformers' GPT-2 without its cache (as it trains with gradient
+    # checkpointing) looks for packed sequences (or at the padding) on the host every forward
     with host_reads() as seen:
         step(stock, {**data, "use_cache": False})
     assert seen and any("masking_utils" in site for site in seen), dict(seen)

@@ -166,7 +166,7 @@ class Trainer:
                 self._state_bytes = model_state_bytes(self.engine)  # while gradients exist
             beat("in the optimizer step")
             self._optimizer_step()
-            loss = loss.detach().float()  # (fp32 already: no copy)
+            loss = loss.detach().float()  # no copy when it is fp32 already
             step_loss = loss if step_loss is None else step_loss + loss
         self._loss_sum += step_loss
         self._micro_steps += self.grad_accum
@@ -193,7 +193,7 @@ class Trainer:
         in one copy, and the all-gather carries them with the host figures."""
         monitor = self.guards.recovery.monitor
         if not figures:
-            return gather_rows(monitor.marks().tolist(), self.device)
+            return gather_rows(list(monitor.judge(monitor.pending().tolist())), self.device)
         wall = self.window.elapsed()  # syncs the device first
         norm = (self._grad_norm if self._grad_norm is not None
                 else torch.tensor(math.nan, device=self.device))

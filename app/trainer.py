@@ -11,12 +11,14 @@ ZeRO 1-3 DeepSpeed adds its inf/NaN check of the gradient norm; tests/test_gpu_p
 - every step: the stop-flag all-reduce (app.faults.preemption), one integer on its own CPU
   (gloo) group, started at one step boundary and read at the next: it never waits for the device;
 - at a log step (`gather`, then `log`): one device synchronize (the clock), one copy of the
-  device values (anomaly marks, loss sum, gradient norm) to the host, one all-gather of every
-  rank's row (the marks and the window's figures; read back row by row), which the anomaly
-  check and the log both read; where DeepSpeed keeps the gradient norm (ZeRO 1-3, bf16, fp16),
-  reading it is one more copy;
-- at a save that is not a log step, and on a stop signal: one copy of the marks and one
-  all-gather of them (the save itself then syncs, in DeepSpeed and app.checkpoint.store);
+  device values (the step losses since the last check point, which the anomaly monitor then
+  judges on the host, the loss sum, the gradient norm) to the host, one all-gather of every
+  rank's row (the anomaly marks and the window's figures; read back row by row), which the
+  anomaly check and the log both read; where DeepSpeed keeps the gradient norm (ZeRO 1-3, bf16,
+  fp16), reading it is one more copy;
+- at a save that is not a log step, and on a stop signal: one copy of the step losses since the
+  last check point and one all-gather of the marks (the save itself then syncs, in DeepSpeed and
+  app.checkpoint.store);
 - at an eval step: one all-reduce of the eval sums and their copy to the host.
 """
 from __future__ import annotations
@@ -149,7 +151,7 @@ class Trainer:
         log_now = upcoming % self.schedule.log_every == 0 or upcoming == self.schedule.stop_step
         self._lr = self.engine.get_lr()[0]  # the LR this step applies
         batch_index = s.consumed_samples // self.global_batch
-        step_loss = torch.zeros((), device=self.device)
+        step_loss = None  # the micro losses' sum, on the device: no sync per micro step
         for micro in range(self.grad_accum):
             beat("waiting for data")
             with self.window.waiting_for_data():
@@ -164,10 +166,12 @@ class Trainer:
                 self._state_bytes = model_state_bytes(self.engine)  # while gradients exist
             beat("in the optimizer step")
             self._optimizer_step()
-            step_loss += loss.detach().float()  # stays on device: no sync per micro step
+            loss = loss.detach().float()  # no copy when it is fp32 already
+            step_loss = loss if step_loss is None else step_loss + loss
         self._loss_sum += step_loss
         self._micro_steps += self.grad_accum
-        self.guards.recovery.observe(upcoming, batch_index, step_loss / self.grad_accum)
+        mean = step_loss if self.grad_accum == 1 else step_loss / self.grad_accum
+        self.guards.recovery.observe(upcoming, batch_index, mean)
         s.advance(self.global_batch, self.seq_len, self.guards.recovery.skip)
         self.session_steps += 1
         beat("training")
@@ -187,16 +191,18 @@ class Trainer:
         marks, then at a log step (`figures`) its window's figures. At a log step this is the
         host sync of training: the clock syncs the device, the device values come to the host
         in one copy, and the all-gather carries them with the host figures."""
-        marks = self.guards.recovery.monitor.marks()
+        monitor = self.guards.recovery.monitor
         if not figures:
-            return gather_rows(marks.tolist(), self.device)
+            return gather_rows(list(monitor.judge(monitor.pending().tolist())), self.device)
         wall = self.window.elapsed()  # syncs the device first
         norm = (self._grad_norm if self._grad_norm is not None
                 else torch.tensor(math.nan, device=self.device))
-        on_device = torch.stack([*marks, self._loss_sum.double(), norm.double()]).tolist()
-        return gather_rows([*on_device[:3], float(self._micro_steps), on_device[3], wall,
-                            self.window.data_wait, self.window.forward_seconds(), *memory_gb(),
-                            self._state_bytes / 2**30, float(self._real_tokens)], self.device)
+        *losses, loss_sum, norm = torch.cat([monitor.pending(), self._loss_sum.double().view(1),
+                                             norm.double().view(1)]).tolist()
+        return gather_rows([*monitor.judge(losses), loss_sum, float(self._micro_steps), norm,
+                            wall, self.window.data_wait, self.window.forward_seconds(),
+                            *memory_gb(), self._state_bytes / 2**30, float(self._real_tokens)],
+                           self.device)
 
     def rewind(self, tag: str) -> None:
         """The engine, the train state (its cool-down too) and the RNG from checkpoint `tag`:
@@ -314,14 +320,15 @@ class Trainer:
         self._lr = 0.0
 
 
-def real_tokens(batch: dict[str, torch.Tensor], seq_len: int) -> int:
+def real_tokens(batch: dict[str, torch.Tensor], seq_len: int) -> int | torch.Tensor:
     """The real (not padding) tokens of a micro batch, taken out of it: the loader's count of
-    each sample's ("doc", "doc-packed"; app.data.loader.BatchLayout), read on the host where the
-    loader left it (no device sync), else every token of the batch ("concat")."""
+    each sample's ("doc", "doc-packed"; app.data.loader.BatchLayout) summed on the host where the
+    loader left it (a 0-d host tensor, read at the log step, not per micro step), else every
+    token of the batch ("concat")."""
     tokens = batch.pop("tokens", None)
     if tokens is None:
         return int(batch["input_ids"].shape[0]) * seq_len
-    return int(tokens.sum())
+    return tokens.sum()
 
 
 def eval_figures(sets: list[EvalSet], totals: list[list[float]], objective: str

@@ -1,13 +1,15 @@
-"""Loss spikes and non-finite values: found on the device, acted on at check points
-(docs/design.md, "Faults").
+"""Loss spikes and non-finite values: judged at check points, acted on there (docs/design.md,
+"Faults").
 
-Each optimizer step, every rank compares its step loss with its recent history: a NaN or an
-infinity, or a spike (more than `z` standard deviations and `rise` above the recent mean) marks
-the step. All of it is device arithmetic: nothing waits for the device per step. The marks are
-read at the log interval and before every save (so a checkpoint is only ever written after a
-clean check: every kept checkpoint predates any anomaly), gathered from every rank in the check
-point's one all-gather, and the earliest marked step decides. The policy then rolls back, skips
-or stops (app.faults.recovery).
+Each optimizer step, a rank's step loss is copied into a buffer on its device (one copy kernel:
+nothing waits for the device per step). At the log interval and before every save (so a
+checkpoint is only ever written after a clean check: every kept checkpoint predates any anomaly)
+the buffer comes to the host with the check point's other device values, in its one copy, and
+the rule runs there, step by step in order: a NaN or an infinity, or a spike (more than `z`
+standard deviations and `rise` above the mean of the recent history) marks the step. The marks
+are gathered from every rank in the check point's one all-gather, and the earliest marked step
+decides. The policy then rolls back, skips or stops (app.faults.recovery). Judging at the check
+point reads the marks no later than judging each step on the device would.
 """
 from __future__ import annotations
 
@@ -57,40 +59,65 @@ class Anomaly:
 
 
 class LossMonitor:
-    """A rank's recent step losses and its first anomalous step, kept on the device."""
+    """A rank's recent step losses and its first anomalous step.
 
-    def __init__(self, rules: Rules, device: torch.device):
+    The losses since the last check point wait in a device buffer (`observe`); the history they
+    are judged against (the last `window` good losses, a ring: a marked step leaves its slot as
+    it was) and the marks live on the host (`judge`)."""
+
+    def __init__(self, rules: Rules, device: torch.device, capacity: int = 64):
         self.rules, self.device = rules, device
+        self._losses = torch.empty(capacity, dtype=torch.float64, device=device)
         self.reset()
 
     def reset(self) -> None:
-        self.history = torch.full((self.rules.window,), math.nan, dtype=torch.float64,
-                                  device=self.device)
-        self.first_bad = torch.full((), -1.0, dtype=torch.float64, device=self.device)
-        self.bad_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.history = [math.nan] * self.rules.window
         self._slot = 0
+        self.first_bad, self.bad_loss = -1, 0.0
+        self._steps: list[int] = []  # the steps whose losses wait in the buffer, in order
 
     def observe(self, step: int, loss: torch.Tensor) -> None:
-        """The loss of optimizer step `step`: marked if anomalous, else added to the history.
-        Device arithmetic only."""
-        loss = loss.detach().to(torch.float64)
-        known = ~torch.isnan(self.history)
-        count = known.sum()
-        mean = torch.nanmean(self.history)
-        std = torch.sqrt(torch.nanmean((self.history - mean) ** 2))
-        spike = ((count >= self.rules.min_history) & (loss - mean > self.rules.z * std)
-                 & (loss > (1.0 + self.rules.rise) * mean))
-        bad = ~torch.isfinite(loss) | spike
-        first = bad & (self.first_bad < 0)
-        self.first_bad = torch.where(first, torch.full_like(self.first_bad, step), self.first_bad)
-        self.bad_loss = torch.where(first, loss, self.bad_loss)
-        self.history[self._slot] = torch.where(bad, self.history[self._slot], loss)
-        self._slot = (self._slot + 1) % self.rules.window
+        """The loss of optimizer step `step`, kept for the next check point: one copy on the
+        device (cast to float64 on the way), no sync."""
+        n = len(self._steps)
+        if n == self._losses.numel():  # more steps between check points than ever: twice the room
+            self._losses = torch.cat([self._losses, torch.empty_like(self._losses)])
+        self._losses[n].copy_(loss.detach())
+        self._steps.append(step)
+
+    def pending(self) -> torch.Tensor:
+        """The losses observed since the last check point (float64, on the device): the caller
+        copies them to the host with its other figures (one sync for all) and gives them to
+        `judge`."""
+        return self._losses[:len(self._steps)]
+
+    def judge(self, losses: list[float]) -> tuple[float, float]:
+        """The rule over `pending()` read on the host, step by step; then (first anomalous step
+        or -1, its loss), the marks, which stay until `reset`."""
+        for step, loss in zip(self._steps, losses, strict=True):
+            self._judge_one(step, loss)
+        self._steps = []
+        return float(self.first_bad), self.bad_loss
 
     def marks(self) -> torch.Tensor:
-        """[first anomalous step or -1, its loss] (float64, on the device): the caller copies
-        it to the host with its other figures at a check point (one sync for all of them)."""
-        return torch.stack([self.first_bad, self.bad_loss])
+        """`judge` on the pending losses, read here (one copy), as a float64 tensor [first
+        anomalous step or -1, its loss]: for a caller with no other device values to copy."""
+        return torch.tensor(self.judge(self.pending().tolist()), dtype=torch.float64)
+
+    def _judge_one(self, step: int, loss: float) -> None:
+        rules = self.rules
+        known = [x for x in self.history if not math.isnan(x)]
+        spike = False
+        if len(known) >= rules.min_history:
+            mean = sum(known) / len(known)
+            std = math.sqrt(sum((x - mean) ** 2 for x in known) / len(known))
+            spike = loss - mean > rules.z * std and loss > (1.0 + rules.rise) * mean
+        bad = not math.isfinite(loss) or spike
+        if bad and self.first_bad < 0:
+            self.first_bad, self.bad_loss = step, loss
+        if not bad:
+            self.history[self._slot] = loss
+        self._slot = (self._slot + 1) % rules.window
 
 
 def earliest(rows: list[tuple[float, float]]) -> Anomaly | None:

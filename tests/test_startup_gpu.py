@@ -39,7 +39,8 @@ def fake_flash_attn(root: Path, body: str) -> Path:
 
 BROKEN_IMPORT = ('import os\n'
                  'open(os.environ["FLASH_MARK"], "a").write("imported\\n")\n'
-                 'raise ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice")\n')
+                 'raise ImportError("flash_attn_2_cuda.so: undefined symbol: '
+                 '_ZN3c104cuda9SetDevice")\n')
 BROKEN_KERNEL = ('__version__ = "2.8.3"\n'
                  'def flash_attn_func(q, k, v, causal=False):\n'
                  '    raise RuntimeError("CUDA error: no kernel image is available for execution '
@@ -199,7 +200,8 @@ def test_torchs_adamw_keeps_its_own_fused_setting_across_a_load():
         keep_own_settings(target, own)
         assert target.param_groups[0]["fused"] == own_fused
         (p,) = target.param_groups[0]["params"]
-        assert target.state[p]["step"].dtype == torch.float32 and float(target.state[p]["step"]) == 3
+        step = target.state[p]["step"]
+        assert step.dtype == torch.float32 and float(step) == 3
         p.grad = torch.ones(64)
         target.step()  # steps with this run's implementation
         assert float(target.state[p]["step"]) == 4

@@ -248,3 +248,12 @@ def test_a_checkpoint_of_deepspeeds_adam_converts_or_is_refused_in_one_line(mlm_
             f"torch AdamW (converting it)") in resumed.stderr
     assert (run / "checkpoints" / "global_step2.universal").is_dir()
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_torch_below_transformers_floor_is_one_line():
+    from app.runtime.device import check_torch_version
+
+    for fine in ("2.6.0", "2.13.0+cpu", "2.10.1+cu128", "3.0.0a0"):
+        check_torch_version(fine)
+    with pytest.raises(UserError, match=r"^torch 2\.5\.1\+cu121: this app needs torch >= 2\.6 "):
+        check_torch_version("2.5.1+cu121")

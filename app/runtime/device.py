@@ -79,7 +79,23 @@ class Device:
         return asdict(self)
 
 
+# transformers 5 switches its PyTorch side off below this torch (is_torch_available), so a model
+# class would fail to build with a message about PyTorch missing; setup.cfg's floor says the same,
+# for installs that bypass it (--no-deps, a cluster's preinstalled torch)
+MIN_TORCH = (2, 6)
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """UserError when this torch is below MIN_TORCH (setup.cfg says why)."""
+    parts = [int(p) if p.isdigit() else 0 for p in version.split("+")[0].split(".")[:2]]
+    if tuple(parts) < MIN_TORCH:
+        raise UserError(f"torch {version}: this app needs torch >= "
+                        f"{'.'.join(map(str, MIN_TORCH))} (transformers 5 turns its PyTorch "
+                        f"support off below it); install a newer torch build for this machine")
+
+
 def detect() -> Device:
+    check_torch_version()
     acc = accelerator()
     name = acc.device_name()
     return Device(name=name, backend=acc.communication_backend_name(), pin_memory=name != "cpu",

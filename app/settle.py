@@ -78,8 +78,6 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     ds_path, raw_ds, precision = settle_deepspeed(cfg, device, world.is_main)
     objective, model_config = settle_model(cfg, manifest, device, precision)
     attention = choose_attention(cfg.attn, device, precision, cfg.packing)  # probed once
-    if world.is_main:
-        print(f"attention: {attention[0]} ({attention[1]})", file=sys.stderr)
     stats, eval_sources = settle_data(cfg, sources, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
     resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
@@ -97,7 +95,8 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     check_steps_left(resume, total_steps, cfg)
     switch = settle_switch(resume, ds, world, gbs, phase)
     init_from = settle_init(cfg, model_config, sources, resume, ds, world.is_main)
-    if world.is_main:
+    if world.is_main:  # the start-up lines, once every check has passed
+        print(f"attention: {attention[0]} ({attention[1]})", file=sys.stderr)
         print_data(sources, stats, cfg.seq_len, gbs, total_steps)
     return Plan(cfg=cfg, device=device, world=world, sources=sources, manifest=manifest,
                 model_config=model_config, objective=objective, ds_config=ds, ds_path=ds_path,

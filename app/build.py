@@ -31,7 +31,8 @@ from app.faults.preemption import StopRequests
 from app.faults.recovery import Recovery
 from app.faults.watchdog import Watchdog
 from app.model import build_model, count_parameters, optimizer_groups
-from app.runtime.device import ComputeClock, Device, detect, enable_tf32, set_cpu_threads
+from app.runtime.device import (ComputeClock, Device, cpu_share, cpu_share_warning, detect,
+                                enable_tf32, set_cpu_threads)
 from app.runtime.dist import World, adopt_launcher_env, barrier, init_distributed, world_from_env
 from app.runtime.ds_config import zero_stage
 from app.runtime.engine import engine_facts, initialize, versions
@@ -70,6 +71,9 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     threads = set_cpu_threads()
     adopt_launcher_env()  # ranks from MPI/Slurm launchers, once, before anything reads them
     plan = plan_run(cfg, device, world_from_env())
+    warning = cpu_share_warning(device, cpu_share(), threads, loader_workers(cfg, plan.world))
+    if warning and plan.world.local_rank == 0:  # each node's: nodes may be bound differently
+        print(warning, file=sys.stderr)
     faults.slow_start()  # a test switch (app/faults/injection.py)
     preemption.stop_before_loop("before the run started")  # nothing written yet
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
@@ -195,7 +199,8 @@ def describe_run(plan: Plan, engine, world: World, data_dirs: list[Path], n_para
     return {
         "run": cfg.to_dict(),
         "model": {"preset": cfg.model_name, "objective": plan.objective,
-                  "parameters": n_params, "config": plan.model_config.to_dict()},
+                  "parameters": n_params, "config": plan.model_config.to_dict(),
+                  "attention": {"implementation": plan.attention[0], "why": plan.attention[1]}},
         "batch": {"micro_batch": engine.train_micro_batch_size_per_gpu(),
                   "grad_accum": engine.gradient_accumulation_steps(),
                   "global_batch": engine.train_batch_size(),
@@ -213,6 +218,8 @@ def describe_run(plan: Plan, engine, world: World, data_dirs: list[Path], n_para
                         "local_world_size": world.local_world_size,
                         "nodes": max(1, world.world_size // max(1, world.local_world_size)),
                         "device": plan.device.as_dict(), "cpu_threads_per_rank": threads,
+                        "cpu": {**cpu_share().as_dict(), "threads": threads,
+                                "loader_workers": loader_workers(cfg, world)},
                         "hostname": platform.node(), "python": platform.python_version(),
                         **versions()},
     }
@@ -266,16 +273,22 @@ def _trainer(plan: Plan, engine, world: World, data_dirs: list[Path], state: Tra
                        position, plan.train_samples))
 
 
+def loader_workers(cfg: TrainConfig, world: World) -> int:
+    """Loader workers per rank: --num-workers, else the rank's share of its cores decides."""
+    from app.data.loader import default_num_workers
+
+    return (cfg.num_workers if cfg.num_workers is not None
+            else default_num_workers(world.local_world_size))
+
+
 def _loaders(plan: Plan, engine, world: World,
             data_dirs: list[Path]) -> tuple[Any, Callable, list[EvalSet]]:
     """(the train data's spec, its loader from a stream position without the skipped batches,
     the eval sets) of this rank; batch sizes read back from the engine, which owns them."""
-    from app.data.loader import (DataSpec, MixtureSpec, build_eval_loader, build_train_loader,
-                                 default_num_workers)
+    from app.data.loader import DataSpec, MixtureSpec, build_eval_loader, build_train_loader
 
     cfg, sources = plan.cfg, plan.sources
-    workers = (cfg.num_workers if cfg.num_workers is not None
-               else default_num_workers(world.local_world_size))
+    workers = loader_workers(cfg, world)
     pin = plan.device.pin_memory
     micro = engine.train_micro_batch_size_per_gpu()
 

@@ -14,12 +14,13 @@ from typing import Any, Callable
 from app import rundir
 from app.checkpoint import store as checkpoint
 from app.checkpoint.train_state import ONE_DOCUMENT_A_SAMPLE, phase_position
-from app.checkpoint.universal import Layout, convertible_into, is_universal, layout_of, saved_layout
+from app.checkpoint.universal import (Layout, convertible_into, is_universal, layout_of,
+                                     optimizer_switch, saved_layout)
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
 from app.model import (build_config, check_init_config, check_packed_attention, max_positions,
                        parse_overrides, preset, read_init_config)
-from app.runtime.device import Device, attention_implementation
+from app.runtime.device import Device, attention_implementation, choose_attention
 from app.runtime.dist import World
 from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, validate_ds_config,
                                    zero_config_path, zero_stage)
@@ -62,6 +63,8 @@ class Plan:
     """The checkpoint's layout against this run's, and the run's layout history."""
     init_from: Path | None = None
     """A new run's starting weights (--init-from; None when resuming: the checkpoint has them)."""
+    attention: tuple[str, str] = ("sdpa", "")
+    """(the attention implementation, why it was chosen): the start-up line and config.json."""
 
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
@@ -74,6 +77,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     manifest = sources.manifest
     ds_path, raw_ds, precision = settle_deepspeed(cfg, device, world.is_main)
     objective, model_config = settle_model(cfg, manifest, device, precision)
+    attention = choose_attention(cfg.attn, device, precision, cfg.packing)  # probed once
     stats, eval_sources = settle_data(cfg, sources, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
     resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
@@ -84,21 +88,23 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
                    torch_adam=device.torch_adam, hidden_size=model_config.hidden_size,
-                   grad_comm_dtype=cfg.grad_comm_dtype)
+                   grad_comm_dtype=cfg.grad_comm_dtype, torch_adam_fused=device.torch_adam_fused)
     for warning in validate_ds_config(ds, ds_path):
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
     check_steps_left(resume, total_steps, cfg)
     switch = settle_switch(resume, ds, world, gbs, phase)
     init_from = settle_init(cfg, model_config, sources, resume, ds, world.is_main)
-    if world.is_main:
+    if world.is_main:  # the start-up lines, once every check has passed
+        print(f"attention: {attention[0]} ({attention[1]})", file=sys.stderr)
         print_data(sources, stats, cfg.seq_len, gbs, total_steps)
     return Plan(cfg=cfg, device=device, world=world, sources=sources, manifest=manifest,
                 model_config=model_config, objective=objective, ds_config=ds, ds_path=ds_path,
                 precision=precision, total_steps=total_steps, warmup_steps=warmup,
                 lr_lambda=lr_lambda,
                 train_samples=tuple(st["num_samples"] for st in stats),
-                eval_sources=eval_sources, resume=resume, switch=switch, init_from=init_from)
+                eval_sources=eval_sources, resume=resume, switch=switch, init_from=init_from,
+                attention=attention)
 
 
 def print_data(sources: Sources, stats: list[dict[str, Any]], seq_len: int, gbs: int,
@@ -385,10 +391,17 @@ def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: Wo
     saved = saved_layout(state)
     history = tuple(state.get("history") or ({"step": 0, **asdict(saved)},))
     tag_dir = resume[0] / resume[1]
-    convert = not is_universal(tag_dir) and not saved.loads_natively(now)
+    adam = optimizer_switch(state, ds)  # (the checkpoint's optimizer, this run's) or None
+    convert = not is_universal(tag_dir) and (not saved.loads_natively(now) or adam is not None)
     why_not = convertible_into(now) if convert or is_universal(tag_dir) else None
+    if why_not and adam:
+        raise UserError(f"{tag_dir}: holds {adam[0]}'s optimizer state and this run steps "
+                        f"{adam[1]}: a conversion is needed, and {why_not}")
     if why_not:
         raise UserError(f"{tag_dir}: written with {saved}; {why_not}")
+    if world.is_main and adam and not is_universal(tag_dir):
+        print(f"resume: {tag_dir} holds {adam[0]}'s optimizer state and this run steps "
+              f"{adam[1]} (converting it)", file=sys.stderr)
     if saved != now:
         history += ({**entry, "step": int(state["step"])},)
     if world.is_main and saved != now:

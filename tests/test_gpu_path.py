@@ -210,7 +210,7 @@ def test_staging_happens_before_the_process_group(mlm_dataset, tmp_path):
 
 def test_gpu_knobs():
     gpu = Device("cuda", "nccl", True, True, True)
-    # flash-attention only where transformers finds a version it takes, never with padding
+    # auto: PyTorch's SDPA everywhere (tests/test_startup_gpu.py: why, and flash-attention 2)
     assert attention_implementation("auto", gpu, "bf16", "doc") == "sdpa"
     assert attention_implementation("auto", gpu, "fp32", "concat") == "sdpa"
     # threads: the cores shared by the node's ranks on every kind of device

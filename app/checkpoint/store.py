@@ -390,11 +390,13 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
     check_files(tag_dir)  # a rollback reads a tag no one checked yet (a resume's: hashed once)
     state = read_state(ckpt_dir, tag)
     here = universal.layout_of(engine.config, world_size())
-    if not universal.saved_layout(state).loads_natively(here):
+    if not universal.saved_layout(state).loads_natively(here) or \
+            universal.optimizer_switch(state, engine.config):
         if engine.global_rank == 0:
             universal.ensure(ckpt_dir, tag, state, here)
         barrier()
         return universal.load(engine, universal.path_for(ckpt_dir, tag))
+    own = _own_settings(engine)
     try:
         path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
@@ -403,7 +405,36 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
         raise UserError(f"{ckpt_dir / tag}: cannot load the checkpoint ({first[:200]})") from None
     if path is None:
         raise UserError(f"{ckpt_dir / tag}: DeepSpeed found no checkpoint to load")
+    keep_own_settings(universal._base_optimizer(engine), own)
     return client["train_state"]
+
+
+# How a torch optimizer computes, not what it computes: torch's load_state_dict takes them from
+# the checkpoint with the hyperparameters, so a CPU checkpoint (single-tensor AdamW) would step
+# unfused on a GPU, and a GPU one (fused) fused on a CPU
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _own_settings(engine) -> list[dict[str, Any]]:
+    return [{k: g[k] for k in IMPLEMENTATION if k in g}
+            for g in universal._base_optimizer(engine).param_groups]
+
+
+def keep_own_settings(optimizer: torch.optim.Optimizer, own: list[dict[str, Any]]) -> None:
+    """Put this run's implementation settings (`IMPLEMENTATION`, taken before the load) back
+    into a torch optimizer's groups, and each parameter's step where that implementation keeps
+    it: on the parameter's device in fp32 when fused or capturable, else on the host."""
+    torch_style = type(optimizer).__module__.startswith("torch.")
+    if not torch_style or len(own) != len(optimizer.param_groups):
+        return
+    for group, settings in zip(optimizer.param_groups, own):
+        group.update(settings)
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                optimizer.state[p]["step"] = (step.to(p.device, torch.float32) if on_device
+                                              else step.cpu())
 
 
 def restore_rng(ckpt_dir: Path, tag: str, *, rank: int) -> bool:

@@ -85,6 +85,34 @@ def layout_of(ds_config: dict[str, Any], world_size: int) -> Layout:
     return Layout(int(zero.get("stage", 0)), int(world_size), precision, bool(offload))
 
 
+def adam_of(ds_config: dict[str, Any]) -> str:
+    """Which optimizer DeepSpeed builds from a (filled) ds_config, as DeepSpeed decides it
+    (ds/runtime/engine.py, get_optimizer_configuration): torch's Adam(W) when
+    'optimizer.params.torch_adam' is set, else its CPU Adam where the optimizer is offloaded,
+    else its fused op. Other optimizers by their type."""
+    opt = ds_config.get("optimizer") or {}
+    kind, params = str(opt.get("type", "AdamW")), opt.get("params") or {}
+    if kind.lower() not in ("adam", "adamw"):
+        return kind
+    if params.get("torch_adam"):
+        return f"torch {kind}" + (" (fused)" if params.get("fused") else "")
+    offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {})
+    return "DeepSpeed CPUAdam" if offload.get("device") in ("cpu", "nvme") else \
+        "DeepSpeed FusedAdam"
+
+
+def optimizer_switch(state: dict[str, Any], ds_config: dict[str, Any]) -> tuple[str, str] | None:
+    """(the checkpoint's optimizer, this run's) where their states differ in form, so a load
+    must go through the universal form: torch's Adam keeps its step per parameter as a tensor
+    and its own group settings (a load of DeepSpeed's groups leaves AdamW without decoupled
+    weight decay), DeepSpeed's keep the step as an int, per group in the fused op's case. torch's
+    fused and single-tensor AdamW share a form (`store.keep_own_settings`)."""
+    saved, now = adam_of(state.get("ds_config") or {}), adam_of(ds_config)
+    if saved.startswith("torch ") == now.startswith("torch "):
+        return None
+    return saved, now
+
+
 def saved_layout(state: dict[str, Any]) -> Layout:
     """The layout a checkpoint was written in, from its train state."""
     return layout_of(state.get("ds_config") or {}, state["world_size"])
@@ -407,17 +435,22 @@ def _ensure_states(engine) -> None:
 
 
 def _set_step(optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Adam's step count wherever this optimizer keeps it: per parameter as a tensor (torch),
+    """Adam's step count wherever this optimizer keeps it: per parameter as a tensor (torch: on
+    the parameter's device in fp32 where the group is fused or capturable, else on the host),
     per parameter as an int (DeepSpeed's CPU Adam) or per group (DeepSpeed's fused Adam)."""
     torch_style = type(optimizer).__module__.startswith("torch.")
+    on_device = set()
     for group in optimizer.param_groups:
         if "step" in group or not torch_style:
             group["step"] = step
-    for entry in optimizer.state.values():
+        if group.get("fused") or group.get("capturable"):
+            on_device.update(id(p) for p in group["params"])
+    for p, entry in optimizer.state.items():
         old = entry.get("step")
         if isinstance(old, torch.Tensor):
             entry["step"] = torch.full_like(old, float(step))
         elif old is not None or not torch_style:
             entry["step"] = step
         else:
-            entry["step"] = torch.tensor(float(step))
+            entry["step"] = torch.tensor(float(step), dtype=torch.float32,
+                                         device=p.device if id(p) in on_device else None)

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from app.data import packing
-from app.runtime.device import usable_cores
+from app.runtime.device import cpu_share
 from app.data.masking import (EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots,
                          sample_keys)
 from app.data.mixture import Mixture
@@ -363,8 +363,11 @@ def default_num_workers(local_world_size: int = 1) -> int:
 
     A sample costs ~0.15 ms to build but a worker's batch ~1 ms to hand over, so workers help
     only with idle cores and big batches; two cover a GPU step (docs/benchmarks.md, "loader").
+    The cores are the rank's share of its affinity mask (`app.runtime.device.cpu_share`: not
+    divided again where srun or numactl bound each rank to cores of its own).
     """
-    return max(0, min(2, usable_cores() // max(1, local_world_size) - 1))
+    share = cpu_share({"LOCAL_WORLD_SIZE": str(max(1, local_world_size))})
+    return max(0, min(2, share.cores - 1))  # 0 on an accelerator: said at start (build.py)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,9 @@ class Device:
     fp16_supported: bool
     model: str | None = None
     """The device as its driver names it ("NVIDIA H100 80GB HBM3"); None on CPU."""
+    fused_adam_prebuilt: bool = False
+    """DeepSpeed's fused Adam op was compiled into its wheel (DS_BUILD_FUSED_ADAM=1): loading it
+    is an import, not a JIT build."""
 
     @property
     def is_cpu(self) -> bool:
@@ -52,23 +55,59 @@ class Device:
         On CPU the compiled op keeps beta**step as a running product in C++ state, which a
         resumed process recomputes with pow: the same weights and moments then step to values a
         last bit apart. torch's AdamW takes the power from the step stored in the checkpoint, so
-        resume stays bit-exact. The CUDA kernel recomputes the power every step already.
+        resume stays bit-exact. On CUDA DeepSpeed's op is built with nvcc on first use unless
+        its wheel has it: a run without a CUDA toolkit crashed there, and a JIT build on a
+        shared home held every rank of a large job at start-up. torch's fused AdamW
+        (`torch_adam_fused`) is the same one-kernel update and needs no build; DeepSpeed's is
+        kept where it is prebuilt.
         """
-        return self.is_cpu
+        return self.is_cpu or self.torch_adam_fused
+
+    @property
+    def torch_adam_fused(self) -> bool:
+        """torch's AdamW with fused=True (one kernel for all tensors, its step a device tensor:
+        no host sync): on CUDA when DeepSpeed's fused Adam is not prebuilt. Not on CPU, where
+        the single-tensor update keeps resume bit-exact with the runs and checkpoints made
+        before; not on other accelerators, which bring DeepSpeed ops of their own."""
+        return self.name == "cuda" and not self.fused_adam_prebuilt
 
     def torch_device(self, local_rank: int = 0) -> torch.device:
-        return torch.device(self.name if self.is_cpu else f"{self.name}:{local_rank}")
+        return torch.device(self.name if self.is_cpu
+                            else f"{self.name}:{device_ordinal(local_rank)}")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+# transformers 5 switches its PyTorch side off below this torch (is_torch_available), so a model
+# class would fail to build with a message about PyTorch missing; setup.cfg's floor says the same,
+# for installs that bypass it (--no-deps, a cluster's preinstalled torch)
+MIN_TORCH = (2, 6)
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """UserError when this torch is below MIN_TORCH (setup.cfg says why)."""
+    parts = [int(p) if p.isdigit() else 0 for p in version.split("+")[0].split(".")[:2]]
+    if tuple(parts) < MIN_TORCH:
+        raise UserError(f"torch {version}: this app needs torch >= "
+                        f"{'.'.join(map(str, MIN_TORCH))} (transformers 5 turns its PyTorch "
+                        f"support off below it); install a newer torch build for this machine")
+
+
 def detect() -> Device:
+    check_torch_version()
     acc = accelerator()
     name = acc.device_name()
     return Device(name=name, backend=acc.communication_backend_name(), pin_memory=name != "cpu",
                   bf16_supported=bool(acc.is_bf16_supported()),
-                  fp16_supported=bool(acc.is_fp16_supported()), model=_model_name(name))
+                  fp16_supported=bool(acc.is_fp16_supported()), model=_model_name(name),
+                  fused_adam_prebuilt=_prebuilt("fused_adam"))
+
+
+def _prebuilt(op: str) -> bool:
+    """Whether DeepSpeed's wheel carries compiled op `op` (DS_BUILD_* at install)."""
+    from deepspeed.git_version_info import installed_ops
+    return bool(installed_ops.get(op, False))
 
 
 def _model_name(name: str) -> str | None:
@@ -100,16 +139,73 @@ def resolve_precision(requested: str, device: Device) -> str:
 
 def attention_implementation(requested: str, device: Device, precision: str = "bf16",
                              packing: str = "concat") -> str:
-    """"auto" = flash_attention_2 when transformers finds a version of it it supports, on a GPU,
-    in bf16/fp16 (its kernels take nothing else), with "concat" packing (padded batches make
-    transformers unpad them with a host sync per layer); else PyTorch SDPA."""
+    """The --attn implementation to build the model with (`choose_attention`, without why)."""
+    return choose_attention(requested, device, precision, packing)[0]
+
+
+# Why "auto" is PyTorch's SDPA on every device: the app's layouts that may use flash kernels at
+# all ("concat" packing: no mask) run SDPA's own flash backend, which is FlashAttention-2 (on
+# sm80 and later, H100 included, with dropout), so the flash-attn package would add no speed,
+# only a compiled extension that must match this torch (one built for another fails every rank at
+# model build) and, at micro batch 1, transformers' packed-sequence check, a host sync per layer.
+# FlashAttention-3 (Hopper) is faster but drops attention dropout in transformers' integration:
+# not a default until measured (docs/gpu.md).
+AUTO_ATTENTION = "sdpa"
+
+
+def choose_attention(requested: str, device: Device, precision: str = "bf16",
+                     packing: str = "concat") -> tuple[str, str]:
+    """(implementation, why) for --attn: "auto" is SDPA (AUTO_ATTENTION says why); an explicit
+    flash_attention_2 must import and run here (`flash_attention_broken`), else one line."""
+    if requested == "flash_attention_2":
+        broken = flash_attention_broken(device)
+        if broken:
+            raise UserError(f"--attn flash_attention_2: {broken}; --attn sdpa runs PyTorch's "
+                            f"own FlashAttention-2 kernels on sm80+ GPUs")
+        return requested, "as asked; flash-attn imported and ran a test call"
     if requested != "auto":
-        return requested
-    if not device.is_cpu and precision in ("bf16", "fp16") and packing == "concat":
-        from transformers.utils import is_flash_attn_2_available
-        if is_flash_attn_2_available():
-            return "flash_attention_2"
-    return "sdpa"
+        return requested, "as asked"
+    if device.is_cpu:
+        return AUTO_ATTENTION, "auto: PyTorch's SDPA (CPU)"
+    if precision not in ("bf16", "fp16") or packing != "concat":
+        return AUTO_ATTENTION, f"auto: PyTorch's SDPA ({precision}, --packing {packing})"
+    return AUTO_ATTENTION, ("auto: PyTorch's SDPA, whose flash backend is FlashAttention-2; the "
+                            "flash-attn package is not needed (--attn flash_attention_2 to use it)")
+
+
+_FLASH_PROBE: dict[str, str | None] = {}
+
+
+def flash_attention_broken(device: Device) -> str | None:
+    """None when the flash-attn package imports (its CUDA extension with it) and runs one tiny
+    attention call on this rank's device in bf16; else why not, in one line. Once per process:
+    package metadata alone (what transformers checks) says nothing of a wheel built for another
+    torch or another GPU."""
+    if "result" not in _FLASH_PROBE:
+        _FLASH_PROBE["result"] = _probe_flash_attention(device)
+    return _FLASH_PROBE["result"]
+
+
+def _probe_flash_attention(device: Device) -> str | None:
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_func
+    except Exception as e:  # noqa: BLE001 - ImportError, OSError "undefined symbol", ...
+        return f"the flash-attn package does not import here ({_first_line(e)})"
+    version = getattr(flash_attn, "__version__", "?")
+    where = device.torch_device(int(os.environ.get("LOCAL_RANK", 0)))
+    try:
+        q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16, device=where)  # batch, seq, heads, dim
+        out = flash_attn_func(q, q, q, causal=True)
+        (out[0] if isinstance(out, tuple) else out).float().sum().item()  # waits for the kernel
+    except Exception as e:  # noqa: BLE001 - no kernel image for this GPU, a CPU, ...
+        return f"flash-attn {version} does not run on {where} ({_first_line(e)})"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__
 
 
 def set_cpu_threads(env: Mapping[str, str] = os.environ) -> int | None:
@@ -120,10 +216,62 @@ def set_cpu_threads(env: Mapping[str, str] = os.environ) -> int | None:
     """
     if env.get("OMP_NUM_THREADS"):
         return None
-    local = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1)
-    threads = max(1, usable_cores() // max(local, 1))
+    threads = max(1, cpu_share(env).cores)
     torch.set_num_threads(threads)
     return threads
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """This rank's part of the node's CPUs (its threads, and its loader's workers)."""
+
+    affinity: int
+    """Cores in this process's affinity mask (a Slurm, numactl or taskset binding narrows it)."""
+    local_ranks: int
+    shared: bool
+    """The mask is the node's ranks' together (one launcher started them all inside it), not
+    this rank's own (srun or numactl bound each rank to cores of its own)."""
+
+    @property
+    def cores(self) -> int:
+        """Cores this rank may count on; 0: less than one."""
+        return self.affinity // self.local_ranks if self.shared else self.affinity
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"affinity_cores": self.affinity, "local_ranks": self.local_ranks,
+                "mask": "shared by the local ranks" if self.shared else "the rank's own",
+                "cores_per_rank": self.cores}
+
+
+def cpu_share(env: Mapping[str, str] = os.environ) -> CpuShare:
+    local = max(1, int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1))
+    return CpuShare(usable_cores(), local, local > 1 and not _own_mask())
+
+
+def _own_mask() -> bool:
+    """Whether this process was bound to fewer cores than the process that started it: a rank
+    srun (--cpu-bind) or numactl bound has a mask of its own, which dividing by the node's ranks
+    would count a second time; ranks a launcher started share its mask."""
+    try:
+        return os.sched_getaffinity(0) < os.sched_getaffinity(os.getppid())
+    except (AttributeError, OSError):  # no affinity API, or the parent is gone
+        return False
+
+
+def cpu_share_warning(device: Device, share: CpuShare, threads: int | None,
+                      workers: int) -> str | None:
+    """One line when a GPU rank has under two cores of its own: its loader then builds batches
+    in the training process between steps (0 workers) on one thread, where a GPU step leaves the
+    CPU idle. Usually a Slurm step that bound one task to one core while a launcher started all
+    the node's ranks inside it."""
+    if device.is_cpu or share.cores >= 2:
+        return None
+    how = "shared by" if share.shared else "of its own, with"
+    return (f"warning: {share.affinity} CPU core(s) in this rank's affinity mask, {how} "
+            f"{share.local_ranks} local rank(s): {threads or 'OMP_NUM_THREADS'} thread(s) and "
+            f"{workers} loader worker(s) per rank, batches built between steps; give the ranks "
+            f"cores (srun --cpus-per-task=$SLURM_CPUS_ON_NODE with one launch.sh a node, or "
+            f"--cpu-bind=none; docs/launch.md, \"Slurm\")")
 
 
 def enable_tf32(device: Device, precision: str, requested: bool) -> None:
@@ -149,7 +297,15 @@ def bind(device: Device, local_rank: int) -> None:
     """Make this rank's accelerator the current one, before any collective: NCCL puts a
     collective's tensors on the current device, which is otherwise device 0 on every rank."""
     if not device.is_cpu:
-        accelerator().set_device(local_rank)
+        accelerator().set_device(device_ordinal(local_rank))
+
+
+def device_ordinal(local_rank: int) -> int:
+    """The accelerator a local rank drives, among those it sees: its local rank where each rank
+    sees all the node's devices (DeepSpeed's launcher, torchrun), 0 where Slurm shows each task
+    only its own (--gpus-per-task=1, --gpu-bind): ordinal `local_rank` is then no device."""
+    count = int(accelerator().device_count() or 0)
+    return local_rank % count if count else local_rank
 
 
 def rng_state() -> dict[str, Any]:

@@ -176,10 +176,12 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
               precision: str, lr: float, betas: tuple[float, float], eps: float,
               weight_decay: float, pin_memory: bool, where: Path,
               torch_adam: bool = False, hidden_size: int | None = None,
-              grad_comm_dtype: str | None = None) -> dict[str, Any]:
+              grad_comm_dtype: str | None = None,
+              torch_adam_fused: bool = False) -> dict[str, Any]:
     """A copy of `ds` with every "auto" field set; UserError for an "auto" the app cannot fill.
     `torch_adam` (Device.torch_adam) picks torch's AdamW over DeepSpeed's compiled one unless the
-    config says which, or offloads the optimizer (DeepSpeed's CPU Adam then). `hidden_size`, the
+    config says which, or offloads the optimizer (DeepSpeed's CPU Adam then); with
+    `torch_adam_fused` (Device.torch_adam_fused) torch's fused one. `hidden_size`, the
     model's width, sizes the ZeRO-3 persistence threshold (PERSISTENCE_PER_HIDDEN).
     `grad_comm_dtype` (--grad-comm-dtype) sets communication_data_type (`_fill_comm_dtype`)."""
     ds = copy.deepcopy(ds)
@@ -203,7 +205,12 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
     if (torch_adam and isinstance(opt, dict) and not offloaded
             and str(opt.get("type", "")).lower() in ("adam", "adamw")):
-        opt["params"].setdefault("torch_adam", True)
+        params = opt["params"]
+        params.setdefault("torch_adam", True)
+        if torch_adam_fused and params["torch_adam"] is True and not params.get("foreach"):
+            # DeepSpeed pops torch_adam and hands the rest to torch.optim.AdamW: fused=True
+            # is its one-kernel CUDA update (no JIT build, its step a device tensor)
+            params.setdefault("fused", True)
     sizes = dict(ZERO_SIZES)
     if hidden_size:
         sizes["stage3_param_persistence_threshold"] = PERSISTENCE_PER_HIDDEN * hidden_size

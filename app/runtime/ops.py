@@ -1,10 +1,16 @@
 """DeepSpeed's compiled ops, loaded before DeepSpeed asks for them, one process of a node at a
 time, with a build lock a killed process left behind cleared (`load_op`).
+
+The app's default optimizer needs none of them on CUDA (torch's fused AdamW) or CPU (torch's
+AdamW): an op is loaded when a ds_config asks for DeepSpeed's Adam (or offloads it), and for the
+CPU backend's shared-memory collectives. A JIT build happens once per node and installation, in
+a directory of that node's own (`_own_extensions_dir`): ranks of other nodes never wait for it.
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +18,12 @@ from typing import Any
 import torch
 
 from app.runtime.device import accelerator
+from data_tools.errors import UserError
+
+# The optimizer ops a run cannot go without (the others, e.g. shared-memory collectives, only
+# speed things up: DeepSpeed falls back when they cannot be built)
+REQUIRED = {"FusedAdamBuilder": "'optimizer.params.torch_adam': false in the ds_config",
+            "CPUAdamBuilder": "'offload_optimizer' in the ds_config"}
 
 
 def optimizer_op(ds_config: dict[str, Any]) -> str | None:
@@ -40,6 +52,12 @@ def load_op(builder_name: str) -> None:
     _own_extensions_dir()
     builder = accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        if builder_name in REQUIRED:  # DeepSpeed would fail later, with a traceback
+            raise UserError(f"DeepSpeed's {builder_name[:-len('Builder')]} op cannot be built "
+                            f"here (no CUDA toolkit: nvcc and CUDA_HOME?), and "
+                            f"{REQUIRED[builder_name]} asks for it: drop that, or install "
+                            f"DeepSpeed with the op prebuilt (DS_BUILD_"
+                            f"{builder_name[:-len('Builder')].upper()}=1 pip install deepspeed)")
         return
     from deepspeed.git_version_info import installed_ops
     if installed_ops.get(builder.NAME, False):
@@ -63,10 +81,13 @@ def load_op(builder_name: str) -> None:
 
 
 def _own_extensions_dir() -> None:
-    """Build DeepSpeed's JIT ops in a directory of this installation's own (unless the user set
-    TORCH_EXTENSIONS_DIR): torch's default is shared by every environment with the same Python,
-    so two virtualenvs with their own DeepSpeed rebuilt each other's ops on every start (a minute
-    or more each)."""
+    """Build DeepSpeed's JIT ops in a directory of this installation's and this node's own
+    (unless the user set TORCH_EXTENSIONS_DIR): torch's default is shared by every environment
+    with the same Python, so two virtualenvs with their own DeepSpeed rebuilt each other's ops on
+    every start (a minute or more each). Per node, because the build lock (`load_op`) holds a
+    process for its whole load: on a shared home, one directory for all nodes queued every rank
+    of the job behind one lock (1-3 s each: tens of minutes at 1,000 ranks), while one a node
+    queues only the node's ranks, and a lock left there is one of this node's processes'."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return
     import hashlib
@@ -77,4 +98,5 @@ def _own_extensions_dir() -> None:
     install = f"{deepspeed.__file__}|{deepspeed.__version__}|{torch.__version__}"
     tag = hashlib.sha256(install.encode()).hexdigest()[:10]
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(get_default_build_root()) / f"{version}-{tag}")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(get_default_build_root()) / f"{version}-{tag}"
+                                             / (platform.node() or "host"))

@@ -111,11 +111,12 @@ def short_path(path: str) -> str:
 class Syncs:
     """Host<-device waits by call site while active, under the label `phase` ("step" or "log").
 
-    Counted: DeepSpeed's accelerator `synchronize()` (on CPU too, where it is a no-op: the call
-    is what would stall a GPU), host reads of tensors (`item`, `tolist`, float/int/bool) from
-    outside torch (on a GPU only those of device tensors), and on a GPU torch.cuda's device,
-    event and stream synchronize plus what `torch.cuda.set_sync_debug_mode("warn")` reports
-    (nonzero, a boolean mask's indexing, a copy to the host...)."""
+    On a GPU: torch.cuda's device, event and stream `synchronize` (DeepSpeed's accelerator calls
+    the first) and what `torch.cuda.set_sync_debug_mode("warn")` reports (`item`, nonzero, a
+    boolean mask's indexing, a copy to the host...). On CPU, where these are no-ops or never
+    warn, the calls that would stall a GPU: DeepSpeed's accelerator `synchronize()` and host
+    reads of tensors (`item`, `tolist`, float/int/bool) from outside torch, as the acceptance
+    check's probe counts them."""
 
     READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
@@ -139,15 +140,9 @@ class Syncs:
         setattr(owner, name, wrapper)
 
     def __enter__(self) -> "Syncs":
-        from deepspeed.accelerator import get_accelerator
-
-        self._wrap(type(get_accelerator()), "synchronize", "synchronize")
-        own = os.path.dirname(torch.__file__) + os.sep
-        for name in self.READS:  # torch's own reads (an optimizer's step count...) not counted
-            self._wrap(torch.Tensor, name, "read",
-                       lambda t, *a: (not sys._getframe(2).f_code.co_filename.startswith(own)
-                                      and (not self.gpu or t.device.type != "cpu")))
-        if self.gpu:
+        if not self.gpu:
+            self._enter_cpu()
+        else:  # DeepSpeed's accelerator and a tensor read reach these: each wait counted once
             self._wrap(torch.cuda, "synchronize", "cuda.synchronize")
             self._wrap(torch.cuda.Event, "synchronize", "event.synchronize")
             self._wrap(torch.cuda.Stream, "synchronize", "stream.synchronize")
@@ -156,6 +151,15 @@ class Syncs:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
         return self
+
+    def _enter_cpu(self) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        self._wrap(type(get_accelerator()), "synchronize", "synchronize")
+        own = os.path.dirname(torch.__file__) + os.sep
+        for name in self.READS:  # torch's own reads (an optimizer's step count...) not counted
+            self._wrap(torch.Tensor, name, "read",
+                       lambda *a: not sys._getframe(2).f_code.co_filename.startswith(own))
 
     def set_phase(self, phase: str) -> None:
         self._flush()
@@ -257,11 +261,21 @@ def nccl_transports(lines: Iterable[str]) -> dict[str, list[str]]:
     for line in lines:
         m = re.search(r"\bvia (\S+)", line)
         if m and ("Channel" in line or "->" in line):
-            via.add(re.sub(r"/(read|write)$", "", m.group(1)))
-        m = re.search(r"\bNET/(\w+)\s*:\s*Using\b", line)
+            via.add(transport_name(m.group(1)))
+        m = re.search(r"\bNET/(\w+)\s*:\s*Using\b|\bUsing network (\w+)", line)
         if m:
-            net.add(m.group(1))
+            net.add(m.group(1) or m.group(2))
     return {"via": sorted(via), "net": sorted(net)}
+
+
+def transport_name(via: str) -> str:
+    """'P2P/CUMEM/read' -> 'P2P/CUMEM', 'NET/IB/0/GDRDMA' -> 'NET/IB/GDRDMA', 'SHM/direct/direct'
+    -> 'SHM': the kind and path, without device numbers or read/write modes."""
+    parts = via.split("/")
+    if parts[0] == "SHM":
+        return "SHM"
+    keep = parts[:2] + (["GDRDMA"] if "GDRDMA" in parts[2:] else [])
+    return "/".join(keep)
 
 
 def _allreduce_rank(rank: int, world: int, port: int, mb: int, backend: str, out: str) -> None:

@@ -392,7 +392,8 @@ def build_app(spec: dict[str, Any]):
                       objective="clm" if family(spec["model"]) == "gpt" else "mlm",
                       seq_len=spec["seq_len"], micro_batch=spec["micro_batch"],
                       max_steps=spec["max_steps"], log_every=spec["block"], eval_every=0,
-                      save_every=0, wandb="disabled", hang_timeout=3600, overwrite=True)
+                      save_every=0, wandb="disabled", hang_timeout=3600, overwrite=True,
+                      zero=spec.get("zero"), compile=bool(spec.get("compile")))
     return build(cfg)
 
 
@@ -554,6 +555,7 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
         tag = f"{model}-mb{micro}"
         steps = g["warmup"] + g["block"] * (g["rounds"] + 3) + g["profile_steps"]
         spec = {**g, "model": model, "micro_batch": micro, "data": str(data),
+                "zero": args.zero, "compile": args.compile,
                 "run": str(out / "runs" / tag), "out": str(out), "max_steps": steps,
                 "result": str(out / f"{tag}.json")}
         spec_path = out / f"{tag}.spec.json"
@@ -643,6 +645,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block", type=int, help="steps a turn (and the app's log interval)")
     p.add_argument("--rounds", type=int)
     p.add_argument("--tokens", type=int, help="synthetic dataset size (default: enough to not repeat)")
+    p.add_argument("--zero", type=int, choices=range(4), help="the app's ZeRO stage (default: "
+                   "the app's own choice); the plain loop is the same either way")
+    p.add_argument("--compile", action="store_true", help="the app with --compile")
     p.add_argument("--strict", action="store_true", help="exit 1 on a FAIL on CPU too")
     p.add_argument("--probe", action="store_true", help="print the flash-attn and FusedAdam lines only")
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
     --cpu) cpu=1; shift ;;
     --steps) steps=${2:?--steps needs a number}; shift 2 ;;
     --keep) keep=${2:?--keep needs a directory}; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: error: unknown option '$1'" >&2; exit 2 ;;
   esac
 done

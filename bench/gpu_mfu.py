@@ -560,7 +560,8 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
                 "result": str(out / f"{tag}.json")}
         spec_path = out / f"{tag}.spec.json"
         spec_path.write_text(json.dumps(spec))
-        cmd = [sys.executable, __file__, "--child", str(spec_path)] + (["--cpu"] if args.cpu else [])
+        cmd = [sys.executable, __file__, "--child", str(spec_path),
+               *(["--cpu"] if args.cpu else [])]
         with open(out / f"{tag}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(REPO)}).returncode
@@ -605,7 +606,8 @@ def report(r: dict[str, Any]) -> list[str]:
              f"{' (fused)' if s['fused'] else ''}, attention {s['attention']}"]
     for name in ("app", "plain"):
         side = r[name]
-        mfu = "n/a (no peak for this device)" if side["mfu"] is None else f"{100 * side['mfu']:.1f} %"
+        mfu = ("n/a (no peak for this device)" if side["mfu"] is None
+               else f"{100 * side['mfu']:.1f} %")
         lines.append(f"  {name:<5} {side['ms_per_step']:8.2f} ms/step "
                      f"{side['tokens_per_sec']:12,.0f} tokens/s  MFU {mfu}")
     for ok, name, detail in verdicts(r):
@@ -636,7 +638,8 @@ def ratio_line(results: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu", action="store_true", help="tiny models on CPU (CI); verdicts informative")
+    p.add_argument("--cpu", action="store_true",
+                   help="tiny models on CPU (CI); verdicts informative")
     p.add_argument("--quick", action="store_true", help="the first model only, fewer rounds")
     p.add_argument("--out", type=Path, default=Path("gpu_mfu-out"))
     p.add_argument("--models", nargs="+", help="presets instead of the default three (two on CPU)")
@@ -644,12 +647,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int)
     p.add_argument("--block", type=int, help="steps a turn (and the app's log interval)")
     p.add_argument("--rounds", type=int)
-    p.add_argument("--tokens", type=int, help="synthetic dataset size (default: enough to not repeat)")
+    p.add_argument("--tokens", type=int,
+                   help="synthetic dataset size (default: enough to not repeat)")
     p.add_argument("--zero", type=int, choices=range(4), help="the app's ZeRO stage (default: "
                    "the app's own choice); the plain loop is the same either way")
     p.add_argument("--compile", action="store_true", help="the app with --compile")
     p.add_argument("--strict", action="store_true", help="exit 1 on a FAIL on CPU too")
-    p.add_argument("--probe", action="store_true", help="print the flash-attn and FusedAdam lines only")
+    p.add_argument("--probe", action="store_true",
+                   help="print the flash-attn and FusedAdam lines only")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -664,7 +669,8 @@ def main() -> int:
     if args.probe:
         return 0
     if not args.cpu and not torch.cuda.is_available():
-        raise SystemExit("gpu_mfu.py: error: no GPU visible to torch; --cpu runs tiny models on CPU")
+        raise SystemExit("gpu_mfu.py: error: no GPU visible to torch; --cpu runs tiny models "
+                         "on CPU")
     g = geometry(args)
     args.out.mkdir(parents=True, exist_ok=True)
     results, doc = [], {"mode": "cpu" if args.cpu else "gpu", "quick": args.quick,

@@ -42,15 +42,17 @@ VOCAB = 30522
 PAD, UNK, CLS, SEP, MASK = 0, 100, 101, 102, 103  # bert-base-uncased ids
 
 
-def make_dataset(root: Path, tokens: int, shards: int = 4) -> Path:
-    """Random documents (50..1000 words + [SEP]) in Megatron shards, manifest last."""
+def make_dataset(root: Path, tokens: int, shards: int = 4, vocab: int = VOCAB) -> Path:
+    """Random documents (50..1000 words + [SEP]) in Megatron shards, manifest last. `vocab`:
+    30522 (BERT's, the default) or 50257 (GPT-2's); uint16 holds either. The tokenizer entry is
+    a placeholder: a run on it skips the tokenizer-copy check (bench/gpu_mfu.py)."""
     rng = np.random.default_rng(0)
     entries = []
     for i in range(shards):
         name = f"train_{i:05d}"
         w = ShardWriter(root / name, np.uint16)
         while w.num_tokens < tokens // shards:
-            doc = rng.integers(1000, VOCAB, size=int(rng.integers(50, 1000)), dtype=np.uint16)
+            doc = rng.integers(1000, vocab, size=int(rng.integers(50, 1000)), dtype=np.uint16)
             w.add_document(np.append(doc, np.uint16(SEP)))
         w.finalize(fsync=False)
         entries.append({"name": name, "documents": w.num_documents, "tokens": w.num_tokens,
@@ -60,7 +62,7 @@ def make_dataset(root: Path, tokens: int, shards: int = 4) -> Path:
                         "idx_checksum": file_checksum(root / f"{name}.idx")})
     write_manifest(root, {
         "format": "dspretrain-dataset", "format_version": 1, "dtype": "uint16",
-        "vocab_size": VOCAB, "eod_token_id": SEP, "pad_token_id": PAD, "mask_token_id": MASK,
+        "vocab_size": vocab, "eod_token_id": SEP, "pad_token_id": PAD, "mask_token_id": MASK,
         "cls_token_id": CLS, "unk_token_id": UNK,
         "tokenizer": {"dir": "tokenizer", "fingerprint": "xxh3_128:synthetic", "files": []},
         "checksum_algorithm": "xxh3_128", "fingerprint": "xxh3_128:synthetic",

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -36,6 +37,23 @@ from app.schedule import schedule_fn  # noqa: E402
 from bench.bench_train import (BETAS, EPS, LR, MIN_LR_RATIO, WEIGHT_DECAY,  # noqa: E402
                                _model_and_batches, model_arguments)
 from data_tools.manifest import load_manifest  # noqa: E402
+
+
+def alternate(sides: dict[str, Callable[[], None]], block: int, rounds: int,
+              sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """ms/step of each side's blocks: `rounds` rounds of one `block`-step block a side, the order
+    reversed every other round, so a burst of outside load lands on both sides alike. `sync`
+    waits for queued device work (torch.cuda.synchronize on a GPU) before each clock read."""
+    blocks: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(rounds):
+        for name in (sides if r % 2 == 0 else list(sides)[::-1]):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(block):
+                sides[name]()
+            sync()
+            blocks[name].append(1000 * (time.perf_counter() - t0) / block)
+    return blocks
 
 
 def main() -> None:
@@ -89,13 +107,7 @@ def main() -> None:
                 step()
             print(f"== {name}: one step\n"
                   + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-    blocks: dict[str, list[float]] = {name: [] for name in sides}
-    for r in range(args.rounds):
-        for name in (sides if r % 2 == 0 else list(sides)[::-1]):
-            t0 = time.perf_counter()
-            for _ in range(args.block):
-                sides[name]()
-            blocks[name].append(1000 * (time.perf_counter() - t0) / args.block)
+    blocks = alternate(sides, args.block, args.rounds)
     app, plain = (statistics.median(blocks[k]) for k in ("app", "plain"))
     print(json.dumps({"model": args.model, "model_args": args.model_arg,
                       "seq_len": args.seq_len, "micro_batch": args.micro_batch,

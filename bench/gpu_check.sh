@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh: the first run on a GPU node as a check, not a surprise. On a small corpus
-# (Python's standard library), through launch.sh and the real deepspeed launcher:
+# bench/gpu_check.sh: the first run on a GPU node as a check, not a surprise. First which of
+# flash-attn and DeepSpeed's FusedAdam op can run here, and bench/gpu_mfu.py --quick (the app's
+# trainer against a plain bf16 loop on bert-120m: ratio, MFU, busy %, host-sync sites; with 2+
+# GPUs the NCCL bus bandwidth and transport). Then on a small corpus (Python's standard library),
+# through launch.sh and the real deepspeed launcher:
 #   bf16 at ZeRO 0, 1, 2 and 3 (2 ranks when the node has 2+ GPUs), each exported and loaded;
-#   flash-attention 2 when transformers finds it; torch.compile; an exact resume.
-# Prints one PASS/FAIL/SKIP line per check with tokens/s (and MFU where the run logs it), and
-# exits 1 if any check failed.
+#   flash-attention 2 when transformers finds it; torch.compile (compiled / eager tokens/s over
+#   40 steps on a GPU); a resume equal to the uninterrupted run (both in deterministic mode).
+# Prints one PASS/FAIL/SKIP/INFO line per check with tokens/s (and MFU where the run logs it),
+# and exits 1 if any check failed.
 #
 #   bash bench/gpu_check.sh [--cpu] [--steps N] [--keep DIR]
 #
@@ -20,7 +24,7 @@ while [ $# -gt 0 ]; do
     --cpu) cpu=1; shift ;;
     --steps) steps=${2:?--steps needs a number}; shift 2 ;;
     --keep) keep=${2:?--keep needs a directory}; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: error: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
@@ -41,7 +45,7 @@ else
 fi
 
 failed=0
-result() {  # result PASS|FAIL|SKIP NAME DETAIL
+result() {  # result PASS|FAIL|SKIP|INFO NAME DETAIL
   printf '%-4s %-24s %s\n' "$1" "$2" "$3"
   [ "$1" != FAIL ] || failed=1
 }
@@ -58,6 +62,22 @@ PY
 last_error() { grep -v '^\[20' "$1" | grep -E 'error|Error' | tail -1 | cut -c1-160; }
 
 echo "gpu_check: $([ "$cpu" = 1 ] && echo "CPU" || echo "$procs GPU rank(s)"), $steps steps a run, in $work"
+cpu_flag=()
+[ "$cpu" = 1 ] && cpu_flag=(--cpu)
+# what can run here (review C1, C2): one line each, informative
+if "$PYTHON" bench/gpu_mfu.py --probe ${cpu_flag[@]+"${cpu_flag[@]}"} >"$work/probe.log" 2>&1; then
+  result INFO "flash-attn" "$(sed -n 's/^flash-attn: *//p' "$work/probe.log")"
+  result INFO "FusedAdam op" "$(sed -n 's/^FusedAdam: *//p' "$work/probe.log")"
+else
+  result FAIL "op probe" "$(last_error "$work/probe.log")"
+fi
+# the app against a plain loop (on CPU tiny models; its verdicts there are informative)
+if "$PYTHON" bench/gpu_mfu.py --quick ${cpu_flag[@]+"${cpu_flag[@]}"} --out "$work/gpu_mfu" >"$work/gpu_mfu.log" 2>&1; then
+  result PASS "gpu_mfu --quick" "$(grep -v '^[[:space:]]*$' "$work/gpu_mfu.log" | tail -1)"
+else
+  result FAIL "gpu_mfu --quick" "$(grep -v '^[[:space:]]*$' "$work/gpu_mfu.log" | tail -1 | cut -c1-160)"
+fi
+grep -E '^  (app|plain) |^  (PASS|FAIL) |^    sync |^NCCL ' "$work/gpu_mfu.log" | sed 's/^/     /' || true
 corpus=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 "$PYTHON" -m data_tools tokenizer --input "$corpus/json" "$corpus/email" --include '*.py' \
   --out "$work/tok" --vocab-size 4000 --overwrite >"$work/tok.log" 2>&1 || { result FAIL tokenizer "$(last_error "$work/tok.log")"; exit 1; }
@@ -86,19 +106,35 @@ for zero in 0 1 2 3; do
   fi
 done
 
-# exact resume: stop halfway, resume, and compare with the uninterrupted ZeRO-1 run step by step
+# resume: stop halfway, resume, and compare with an uninterrupted ZeRO-1 run step by step. All
+# three runs in torch's deterministic mode (review m4: a sitecustomize on PYTHONPATH, which
+# launch.sh passes to the ranks; cuBLAS needs its workspace setting for it): equal to 1e-5, or
+# else within a bf16 tolerance (5e-3), said so (kernels that have no deterministic version warn
+# in the logs: GPU resume is exact in data and state, not bitwise in floats).
+mkdir -p "$work/det"
+printf 'import torch\ntorch.use_deterministic_algorithms(True, warn_only=True)\n' >"$work/det/sitecustomize.py"
+det_train() { PYTHONPATH="$work/det${PYTHONPATH:+:$PYTHONPATH}" CUBLAS_WORKSPACE_CONFIG=:4096:8 train "$@"; }
 half=$(( (steps / 4) * 2 ))  # on a log step (--log-every 2): the logged losses average the same steps
-if [ "$half" -ge 1 ] && train resume "$procs" --zero 1 --max-steps "$steps" --stop-at-step "$half" --resume never --overwrite \
-   && train resume "$procs" --zero 1 --max-steps "$steps" --resume auto; then
-  if "$PYTHON" - "$work" <<'PY'
+if [ "$half" -ge 1 ] && det_train resume-ref "$procs" --zero 1 --max-steps "$steps" --resume never --overwrite \
+   && det_train resume "$procs" --zero 1 --max-steps "$steps" --stop-at-step "$half" --resume never --overwrite \
+   && det_train resume "$procs" --zero 1 --max-steps "$steps" --resume auto; then
+  if verdict=$("$PYTHON" - "$work" <<'PY'
 import json, sys
 def losses(run):
     return {r["step"]: r["train/loss"] for r in map(json.loads, open(f"{sys.argv[1]}/{run}/metrics.jsonl"))
             if "train/loss" in r}
-a, b = losses("bf16-zero1"), losses("resume")
-assert a and a.keys() == b.keys() and all(abs(a[s] - b[s]) <= 1e-5 * max(1, abs(a[s])) for s in a), (a, b)
+a, b = losses("resume-ref"), losses("resume")
+if not a or a.keys() != b.keys():
+    sys.exit(f"logged steps differ: {sorted(a)} vs {sorted(b)}")
+worst = max(abs(a[s] - b[s]) / max(1, abs(a[s])) for s in a)
+if worst <= 1e-5:
+    print("per-step losses equal the uninterrupted run's (deterministic mode)")
+elif worst <= 5e-3:
+    print(f"per-step losses within bf16 tolerance of the uninterrupted run's (max {worst:.1e}; not bitwise)")
+else:
+    sys.exit(f"per-step losses differ from the uninterrupted run's by up to {worst:.1e}")
 PY
-  then result PASS "resume (ZeRO-1)" "per-step losses equal the uninterrupted run's"
+  ); then result PASS "resume (ZeRO-1)" "$verdict"
   else result FAIL "resume (ZeRO-1)" "per-step losses differ from the uninterrupted run's"
   fi
 else
@@ -115,8 +151,25 @@ else
   result SKIP "flash-attention 2" "$([ "$cpu" = 1 ] && echo "GPU only" || echo "not installed (or a version transformers does not take)")"
 fi
 
-if train compiled 1 --zero 0 --max-steps 2 --compile --resume never --overwrite; then
-  result PASS "torch.compile" "$(figures "$work/compiled")"
+# torch.compile: 2 steps on CPU; on a GPU 40, against an eager run of the same, as tokens/s of the
+# logged windows after the first half (compilation left out)
+csteps=$([ "$cpu" = 1 ] && echo 2 || echo 40)
+speed() {  # the median tokens/s of a run's logged windows in its second half
+  "$PYTHON" - "$1" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
+rows = [r for r in rows if r.get("perf/tokens_per_sec")]
+print(statistics.median(r["perf/tokens_per_sec"] for r in rows[len(rows) // 2:]))
+PY
+}
+if train compiled 1 --zero 0 --max-steps "$csteps" --compile --resume never --overwrite; then
+  detail=$(figures "$work/compiled")
+  if [ "$cpu" = 0 ] && train eager 1 --zero 0 --max-steps "$csteps" --resume never --overwrite; then
+    ratio=$("$PYTHON" -c 'import sys; print(f"{float(sys.argv[1]) / float(sys.argv[2]):.2f}")' \
+      "$(speed "$work/compiled")" "$(speed "$work/eager")")
+    detail="$detail; compiled / eager tokens/s = $ratio x over steps $((csteps / 2))-$csteps"
+  fi
+  result PASS "torch.compile" "$detail"
 else
   result FAIL "torch.compile" "$(last_error "$work/compiled.log")"
 fi

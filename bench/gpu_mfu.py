@@ -1,0 +1,711 @@
+"""Benchmark: the app's trainer against a plain PyTorch loop on one device, MFU and host syncs.
+
+The first GPU hour should say in one command whether the app is as fast as the hardware lets a
+plain loop be, and if not, why. Per model (bert-120m, bert-350m, gpt-125m at seq 512; --cpu:
+bert-tiny and gpt-tiny at seq 128), in one process so outside load hits both sides alike:
+
+- the app side is the app's own Trainer (app.build's `build`: the real DeepSpeed engine, its
+  default ZeRO stage, precision and optimizer for the device, its loader, guards and telemetry,
+  and its log step every --block steps as `fit` runs it);
+- the plain side is the same model (the app's settled config, same seed) on the same loader's
+  batches: on a GPU bf16 autocast over fp32 weights, torch's fused AdamW, a foreach clip, the loss
+  kept on the device and read at the log step only; on CPU fp32 and torch's AdamW;
+- they take turns in blocks (bench/bench_step.py's `alternate`), each block between two device
+  syncs; the medians of the blocks' ms/step are compared.
+
+It reports tokens/s and MFU (app/telemetry/flops.py over the peak of app/telemetry/hardware.py),
+the app / plain ratio, device busy % from a torch.profiler trace (the union of kernel intervals
+over the wall time of a few steps; on CPU the main thread's ops), every host-sync call site of the
+app's steps (split into ordinary and log steps), and the app's data wait. Verdicts: app <= 1.03 x
+plain, busy >= 95 %, data wait <= 1 %, no host sync in an ordinary step. On a GPU a FAIL makes the
+exit status 1; on CPU (--cpu) they are informative (exit 0 unless something crashed) unless
+--strict. With 2+ GPUs: an NCCL all-reduce bus bandwidth line and the transport NCCL chose.
+
+    python bench/gpu_mfu.py [--quick] [--out DIR]        # on a GPU node; ~8 min, --quick ~2 min
+    python bench/gpu_mfu.py --cpu --quick                # CI: tiny models on CPU, a few minutes
+    python bench/gpu_mfu.py --probe                      # flash-attn and FusedAdam lines only
+
+Everything lands in DIR/gpu_mfu.json (default ./gpu_mfu-out) with the profiler traces; the last
+line printed is the app / plain ratio.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if "--cpu" in sys.argv[1:]:  # before torch and DeepSpeed pick their accelerator
+    os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Iterable  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.bench_loader import make_dataset  # noqa: E402
+from bench.bench_step import alternate  # noqa: E402
+
+VOCABS = {"bert": 30522, "gpt": 50257}  # bert-base-uncased's and GPT-2's
+THRESHOLDS = {"ratio": 1.03, "busy_pct": 95.0, "data_wait_pct": 1.0, "syncs_per_step": 0}
+OOM_EXIT = 3  # a child's exit status when the model did not fit: the parent halves the batch
+
+
+# -- what runs: models, geometry, steps ----------------------------------------------------------
+
+def models_for(args) -> list[str]:
+    if args.models:
+        return args.models
+    full = ["bert-tiny", "gpt-tiny"] if args.cpu else ["bert-120m", "bert-350m", "gpt-125m"]
+    return full[:1] if args.quick else full
+
+
+def geometry(args) -> dict[str, int]:
+    """Sequence length, first micro batch, steps a block, rounds, warm-up, profiled steps."""
+    if args.cpu:
+        g = dict(seq_len=128, micro_batch=16, block=5, rounds=6 if args.quick else 8,
+                 warmup=5, profile_steps=2)
+    else:
+        g = dict(seq_len=512, micro_batch=64, block=20, rounds=2 if args.quick else 4,
+                 warmup=20, profile_steps=5)
+    for key in g:
+        if getattr(args, key, None):
+            g[key] = getattr(args, key)
+    return g
+
+
+def family(model: str) -> str:
+    return "gpt" if model.startswith("gpt") else "bert"
+
+
+# -- host syncs -----------------------------------------------------------------------------------
+
+SKIP_FRAMES = (f"{os.sep}torch{os.sep}", f"{os.sep}deepspeed{os.sep}accelerator{os.sep}",
+               "contextlib.py", __file__)
+
+
+def call_site() -> str:
+    """The first frame outside torch, DeepSpeed's accelerator shim and this file: who asked."""
+    for f in reversed(traceback.extract_stack()[:-2]):
+        if not any(s in f.filename for s in SKIP_FRAMES):
+            return f"{short_path(f.filename)}:{f.lineno}"
+    return "?"
+
+
+def short_path(path: str) -> str:
+    path = path.replace(str(REPO) + os.sep, "")
+    return re.sub(r"^.*[/\\](site|dist)-packages[/\\]", "", path)
+
+
+class Syncs:
+    """Host<-device waits by call site while active, under the label `phase` ("step" or "log").
+
+    On a GPU: torch.cuda's device, event and stream `synchronize` (DeepSpeed's accelerator calls
+    the first) and what `torch.cuda.set_sync_debug_mode("warn")` reports (`item`, nonzero, a
+    boolean mask's indexing, a copy to the host...). On CPU, where these are no-ops or never
+    warn, the calls that would stall a GPU: DeepSpeed's accelerator `synchronize()` and host
+    reads of tensors (`item`, `tolist`, float/int/bool) from outside torch, as the acceptance
+    check's probe counts them."""
+
+    READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+    def __init__(self, gpu: bool):
+        self.gpu, self.phase = gpu, "step"
+        self.sites: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _mark(self, kind: str) -> None:
+        self.sites[self.phase][f"{kind} {call_site()}"] += 1
+
+    def _wrap(self, owner, name: str, kind: str, when: Callable[..., bool] = lambda *a: True):
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            if when(*a):
+                self._mark(kind)
+            return fn(*a, **k)
+
+        self._saved.append((owner, name, fn))
+        setattr(owner, name, wrapper)
+
+    def __enter__(self) -> "Syncs":
+        if not self.gpu:
+            self._enter_cpu()
+        else:  # DeepSpeed's accelerator and a tensor read reach these: each wait counted once
+            self._wrap(torch.cuda, "synchronize", "cuda.synchronize")
+            self._wrap(torch.cuda.Event, "synchronize", "event.synchronize")
+            self._wrap(torch.cuda.Stream, "synchronize", "stream.synchronize")
+            self._warnings = warnings.catch_warnings(record=True)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def _enter_cpu(self) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        self._wrap(type(get_accelerator()), "synchronize", "synchronize")
+        own = os.path.dirname(torch.__file__) + os.sep
+        for name in self.READS:  # torch's own reads (an optimizer's step count...) not counted
+            self._wrap(torch.Tensor, name, "read",
+                       lambda *a: not sys._getframe(2).f_code.co_filename.startswith(own))
+
+    def set_phase(self, phase: str) -> None:
+        self._flush()
+        self.phase = phase
+
+    def _flush(self) -> None:
+        """The sync-debug warnings so far, to the current phase (their filename:lineno is the
+        Python call site)."""
+        if self.gpu:
+            for w in self._caught:
+                if "synchroniz" in str(w.message):
+                    self.sites[self.phase][f"sync-debug {short_path(w.filename)}:{w.lineno}"] += 1
+            self._caught.clear()
+
+    def __exit__(self, *exc) -> None:
+        if self.gpu:
+            self._flush()
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+
+
+# -- device busy % from a profiler trace ---------------------------------------------------------
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
+SPAN = "gpu_mfu.steps"
+
+
+def union_length(intervals: Iterable[tuple[float, float]], lo: float | None = None,
+                 hi: float | None = None) -> float:
+    """Total length covered by (start, end) intervals, overlaps counted once, clipped to
+    [lo, hi] when given."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        start = start if lo is None else max(start, lo)
+        end = end if hi is None else min(end, hi)
+        if end <= start:
+            continue
+        if cur_end is None or start > cur_end:
+            total += 0.0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return total + (0.0 if cur_end is None else cur_end - cur_start)
+
+
+def busy_from_trace(trace: dict[str, Any]) -> dict[str, Any]:
+    """Busy % of the annotated span `SPAN`: the union of device activity (kernels, copies,
+    memsets) over the span's wall time, or on a CPU-only trace the union of the ops of the
+    span's thread; plus the host's synchronize calls with their total duration (ms)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    spans = [e for e in events if e.get("name") == SPAN and e.get("cat") == "user_annotation"]
+    if not spans:
+        raise ValueError(f"no '{SPAN}' annotation in the trace")
+    span = spans[0]
+    lo, hi = float(span["ts"]), float(span["ts"]) + float(span["dur"])
+    device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    busy_on = device or [e for e in events if e.get("cat") == "cpu_op"
+                         and e.get("tid") == span.get("tid") and e.get("pid") == span.get("pid")]
+    busy = union_length(((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in busy_on),
+                        lo, hi)
+    syncs: dict[str, list[float]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("name") in SYNC_CALLS and lo <= float(e["ts"]) <= hi:
+            syncs[e["name"]].append(float(e["dur"]) / 1000)
+    return {"busy_pct": 100.0 * busy / max(hi - lo, 1e-9), "of": "device" if device else "cpu",
+            "wall_ms": (hi - lo) / 1000,
+            "sync_calls": {k: {"count": len(v), "ms": round(sum(v), 3)} for k, v in syncs.items()}}
+
+
+def profile_steps(step: Callable[[], None], steps: int, sync: Callable[[], None],
+                  path: Path) -> dict[str, Any]:
+    """`steps` steps under torch.profiler (CPU, and CUDA when there is one) inside the `SPAN`
+    annotation (a device sync closes it, so the span holds all their device work); the Chrome
+    trace goes to `path`, its busy figures are returned."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with profile(activities=acts) as prof:
+        with record_function(SPAN):
+            for _ in range(steps):
+                step()
+            sync()
+    prof.export_chrome_trace(str(path))
+    with open(path) as f:
+        return {**busy_from_trace(json.load(f)), "trace": str(path)}
+
+
+# -- NCCL ------------------------------------------------------------------------------------------
+
+def nccl_transports(lines: Iterable[str]) -> dict[str, list[str]]:
+    """What NCCL_DEBUG=INFO says it used: the channels' transports ("P2P/CUMEM", "SHM", "NET/IB"
+    ... from 'Channel 00/0 : 0[0] -> 1[1] via P2P/IPC' lines) and the network plugin it loaded
+    ("IB", "Socket" from 'NET/IB : Using ...')."""
+    via, net = set(), set()
+    for line in lines:
+        m = re.search(r"\bvia (\S+)", line)
+        if m and ("Channel" in line or "->" in line):
+            via.add(transport_name(m.group(1)))
+        m = re.search(r"\bNET/(\w+)\s*:\s*Using\b|\bUsing network (\w+)", line)
+        if m:
+            net.add(m.group(1) or m.group(2))
+    return {"via": sorted(via), "net": sorted(net)}
+
+
+def transport_name(via: str) -> str:
+    """'P2P/CUMEM/read' -> 'P2P/CUMEM', 'NET/IB/0/GDRDMA' -> 'NET/IB/GDRDMA', 'SHM/direct/direct'
+    -> 'SHM': the kind and path, without device numbers or read/write modes."""
+    parts = via.split("/")
+    if parts[0] == "SHM":
+        return "SHM"
+    keep = parts[:2] + (["GDRDMA"] if "GDRDMA" in parts[2:] else [])
+    return "/".join(keep)
+
+
+def _allreduce_rank(rank: int, world: int, port: int, mb: int, backend: str, out: str) -> None:
+    """One rank of the bus-bandwidth run: all_reduce `mb` MB in bf16 and fp32, times to `out`."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    figures = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.ones(mb * 2**20 // torch.finfo(dtype).bits * 8, dtype=dtype, device=dev)
+        for _ in range(3):
+            dist.all_reduce(x)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        n, t0 = 10, time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(x)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - t0) / n
+        algbw = x.numel() * x.element_size() / seconds / 1e9
+        figures[str(dtype).split(".")[-1]] = {"ms": 1000 * seconds, "alg_gbs": algbw,
+                                              "bus_gbs": algbw * 2 * (world - 1) / world}
+    if rank == 0:
+        Path(out).write_text(json.dumps(figures))
+    dist.destroy_process_group()
+
+
+def bus_bandwidth(world: int, out_dir: Path, mb: int = 256, backend: str = "nccl") -> dict:
+    """all_reduce bus bandwidth over `world` local processes (torch.multiprocessing.spawn) and,
+    with NCCL, the transport from its INFO log (NCCL_DEBUG_FILE, one file a process)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_DEBUG", "INFO")
+        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,P2P,SHM,NET,NVLS")
+        os.environ.setdefault("NCCL_DEBUG_FILE", str(out_dir / "nccl.%h.%p.log"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = out_dir / "allreduce.json"
+    mp.spawn(_allreduce_rank, args=(world, port, mb, backend, str(result)), nprocs=world)
+    lines = [line for f in sorted(out_dir.glob("nccl.*.log")) for line in open(f, errors="replace")]
+    return {"world": world, "mb": mb, "backend": backend, **json.loads(result.read_text()),
+            "transport": nccl_transports(lines) if backend == "nccl" else None}
+
+
+# -- op probes (C1, C2) ---------------------------------------------------------------------------
+
+def probe_flash_attn() -> str:
+    """flash-attention 2: not installed, installed but broken (built for another torch), or
+    imports and runs a tiny bf16 attention."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        return "not installed (SDPA is used)"
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_func
+
+        if not torch.cuda.is_available():
+            return f"{flash_attn.__version__} imports; no GPU to run it on"
+        q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+        flash_attn_func(q, q, q, causal=True)
+        torch.cuda.synchronize()
+        return f"{flash_attn.__version__} imports and runs"
+    except Exception as e:  # an ABI mismatch is an ImportError/OSError/RuntimeError: all one line
+        return f"installed but fails: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def probe_fused_adam() -> str:
+    """DeepSpeed's FusedAdam op: prebuilt into the install, JIT-buildable (a toolkit and ninja
+    here; the first use builds it), or impossible here."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+
+        builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+        if builder is None:
+            return f"impossible: no FusedAdam for the {get_accelerator().device_name()} accelerator"
+        if installed_ops.get(builder.NAME):
+            return "prebuilt (DS_BUILD_FUSED_ADAM=1 install)"
+        if not builder.is_compatible(verbose=False):
+            return "impossible: DeepSpeed says the op is not compatible here"
+        from torch.utils.cpp_extension import CUDA_HOME, verify_ninja_availability
+
+        verify_ninja_availability()
+        if torch.cuda.is_available() and not CUDA_HOME:
+            return "impossible: no CUDA toolkit (nvcc) to JIT-build it"
+        return "JIT possible (built on first use; the app defaults to torch's fused AdamW)"
+    except Exception as e:
+        return f"impossible: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+# -- one model, in a process of its own (a fresh process group and device memory) ---------------
+
+def build_app(spec: dict[str, Any]):
+    """The app's run, as `app train` builds it, on the synthetic dataset."""
+    from app import settle
+    from app.build import build
+    from app.config import TrainConfig
+
+    # the synthetic manifest names no real tokenizer copy (bench_loader.make_dataset): the check
+    # of that copy is the one part of the start-up that cannot pass on it
+    settle.check_tokenizer_copy = lambda data, manifest: None
+    cfg = TrainConfig(data=Path(spec["data"]), out=Path(spec["run"]), model=spec["model"],
+                      objective="clm" if family(spec["model"]) == "gpt" else "mlm",
+                      seq_len=spec["seq_len"], micro_batch=spec["micro_batch"],
+                      max_steps=spec["max_steps"], log_every=spec["block"], eval_every=0,
+                      save_every=0, wandb="disabled", hang_timeout=3600, overwrite=True,
+                      zero=spec.get("zero"), compile=bool(spec.get("compile")))
+    return build(cfg)
+
+
+def app_side(trainer, log_every: int, wait: dict[str, float]) -> Callable[[], None]:
+    """One step of the app's loop as `Trainer.fit` runs it, less eval and save: the step, and at
+    a log step the gather, the anomaly check and the log. The timing window restarts at a
+    window's first step, so the plain side's blocks in between are not counted in it."""
+    def step():
+        if trainer.state.step % log_every == 0:
+            trainer.window.restart(trainer.state.step)
+        before = trainer.window.data_wait
+        trainer.train_step()
+        wait["seconds"] += trainer.window.data_wait - before
+        if trainer.state.step % log_every == 0:
+            rows = trainer.gather(figures=True)
+            if trainer.guards.recovery.check(rows, trainer.rewind):
+                raise RuntimeError("the app rolled back during the benchmark (an anomaly)")
+            trainer.log(rows)
+    return step
+
+
+def plain_side(built, device: torch.device, log_every: int) -> Callable[[], None]:
+    """The plain loop on the app's model config and seed and on its loader's batches: on a GPU
+    in bf16 autocast over fp32 weights with torch's fused AdamW, the loss kept on the device."""
+    from app.model import build_model, optimizer_groups
+
+    plan, gpu = built.plan, device.type == "cuda"
+    model = build_model(plan.model_config, seed=plan.cfg.seed, for_training=True).to(device)
+    model.train()
+    groups = optimizer_groups(model, plan.cfg.weight_decay)
+    params = [p for g in groups for p in g["params"]]
+    hyper = plan.ds_config["optimizer"]["params"]
+    opt = torch.optim.AdamW(groups, lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
+                            **({"fused": True} if gpu else {}))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, plan.lr_lambda)
+    batches = iter(built.trainer.train_batches(0, frozenset()))
+    bf16 = gpu and plan.precision == "bf16"
+    total, done = torch.zeros((), device=device), [0]
+
+    def step():
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True if gpu else None)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        total.add_(loss.detach().float())
+        done[0] += 1
+        if done[0] % log_every == 0:
+            total.item()  # the log step's one read, as the app's
+    return step
+
+
+def sync_sites(step: Callable[[], None], trainer, steps: int, log_every: int,
+               gpu: bool) -> dict[str, Any]:
+    """Host syncs of `steps` app steps by call site, split into ordinary and log steps."""
+    syncs = Syncs(gpu)
+    ordinary = 0
+    with syncs:
+        for _ in range(steps):
+            log = (trainer.state.step + 1) % log_every == 0
+            ordinary += not log
+            syncs.set_phase("log" if log else "step")
+            step()
+    per_step = sum(syncs.sites["step"].values()) / max(ordinary, 1)
+    return {"steps": steps, "ordinary_steps": ordinary, "per_ordinary_step": per_step,
+            "step_sites": dict(syncs.sites["step"].most_common()),
+            "log_sites": dict(syncs.sites["log"].most_common())}
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Both sides of one model: timed blocks, then the app's syncs, then profiles of each."""
+    from app.runtime.device import synchronize
+
+    built = build_app(spec)
+    trainer, gpu = built.trainer, torch.cuda.is_available()
+    device = trainer.device
+    block, wait = spec["block"], {"seconds": 0.0}
+    sides = {"app": app_side(trainer, block, wait), "plain": plain_side(built, device, block)}
+    for step in sides.values():
+        for _ in range(spec["warmup"]):
+            step()
+    wait["seconds"] = 0.0
+    blocks = alternate(sides, block, spec["rounds"], sync=synchronize)
+    app_seconds = sum(blocks["app"]) * block / 1000
+    syncs = sync_sites(sides["app"], trainer, 2 * block, block, gpu)
+    out = Path(spec["out"])
+    busy = {name: profile_steps(step, spec["profile_steps"], synchronize,
+                                out / f"trace-{spec['model']}-{name}.json")
+            for name, step in sides.items()}
+    result = figures(spec, blocks, trainer.shape)
+    result.update(data_wait_pct=100 * wait["seconds"] / app_seconds,
+                  logged_data_wait_pct=logged(spec["run"], "perf/data_wait_pct"),
+                  syncs=syncs, busy=busy, setup=setup(built, gpu))
+    trainer.close()
+    return result
+
+
+def figures(spec: dict[str, Any], blocks: dict[str, list[float]], shape) -> dict[str, Any]:
+    """ms/step (median of the blocks), tokens/s and MFU a side, and the app / plain ratio."""
+    tokens = spec["micro_batch"] * spec["seq_len"]
+    out: dict[str, Any] = {"model": spec["model"], "seq_len": spec["seq_len"],
+                           "micro_batch": spec["micro_batch"], "blocks_ms": blocks,
+                           "flops_per_token": shape.flops_per_token,
+                           "peak_tflops": shape.peak_tflops}
+    for name, ms in blocks.items():
+        med = statistics.median(ms)
+        tok_s = tokens * 1000 / med
+        out[name] = {"ms_per_step": med, "tokens_per_sec": tok_s,
+                     "mfu": (shape.flops_per_token * tok_s / (shape.peak_tflops * 1e12)
+                             if shape.peak_tflops else None)}
+    out["ratio"] = out["app"]["ms_per_step"] / out["plain"]["ms_per_step"]
+    return out
+
+
+def logged(run: str, key: str) -> float | None:
+    """The median of `key` over the app's logged windows after the first (its warm-up)."""
+    path = Path(run) / "metrics.jsonl"
+    values = [r[key] for r in map(json.loads, path.read_text().splitlines()) if key in r][1:]
+    return statistics.median(values) if values else None
+
+
+def setup(built, gpu: bool) -> dict[str, Any]:
+    """What the app chose: precision, ZeRO stage, optimizer, attention, loader workers."""
+    from app.runtime.ds_config import zero_stage
+
+    engine, plan = built.engine, built.plan
+    opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    return {"device": torch.cuda.get_device_name() if gpu else "cpu",
+            "precision": plan.precision, "zero": zero_stage(plan.ds_config),
+            "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
+            "fused": bool(getattr(opt, "defaults", {}).get("fused")),
+            "attention": getattr(plan.model_config, "_attn_implementation", None),
+            "threads": torch.get_num_threads(),
+            "max_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if gpu else None}
+
+
+def child(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    try:
+        result = measure(spec)
+    except Exception as e:  # noqa: BLE001 - an OOM is a signal to the parent, anything else not
+        if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
+            print(f"out of memory at micro batch {spec['micro_batch']}", file=sys.stderr)
+            sys.exit(OOM_EXIT)
+        raise
+    Path(spec["result"]).write_text(json.dumps(result, indent=1))
+
+
+# -- the parent: datasets, one child a model (halving the batch on OOM), verdicts ---------------
+
+def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dict[str, Any]:
+    """One model in a child process; on out-of-memory again at half the micro batch (down to 8)."""
+    micro = g["micro_batch"]
+    while True:
+        tag = f"{model}-mb{micro}"
+        steps = g["warmup"] + g["block"] * (g["rounds"] + 3) + g["profile_steps"]
+        spec = {**g, "model": model, "micro_batch": micro, "data": str(data),
+                "zero": args.zero, "compile": args.compile,
+                "run": str(out / "runs" / tag), "out": str(out), "max_steps": steps,
+                "result": str(out / f"{tag}.json")}
+        spec_path = out / f"{tag}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, __file__, "--child", str(spec_path),
+               *(["--cpu"] if args.cpu else [])]
+        with open(out / f"{tag}.log", "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(REPO)}).returncode
+        if rc == OOM_EXIT and micro > 8:
+            print(f"{model}: out of memory at micro batch {micro}; trying {micro // 2}")
+            micro //= 2
+            continue
+        if rc != 0:
+            tail = (out / f"{tag}.log").read_text().strip().splitlines()[-15:]
+            raise SystemExit(f"{model} failed (rc={rc}, log {out / f'{tag}.log'}):\n"
+                             + "\n".join(tail))
+        return json.loads(Path(spec["result"]).read_text())
+
+
+def verdicts(r: dict[str, Any]) -> list[tuple[bool, str, str]]:
+    """(passed, name, detail) of each threshold for one model's result."""
+    t, busy, syncs = THRESHOLDS, r["busy"]["app"], r["syncs"]
+    return [
+        (r["ratio"] <= t["ratio"], "ratio",
+         f"app / plain = {r['ratio']:.3f} x (<= {t['ratio']})"),
+        (busy["busy_pct"] >= t["busy_pct"], "busy",
+         f"{busy['of']} busy {busy['busy_pct']:.1f} % in the app's steps (plain "
+         f"{r['busy']['plain']['busy_pct']:.1f} %; >= {t['busy_pct']:g} %)"),
+        (r["data_wait_pct"] <= t["data_wait_pct"], "data wait",
+         f"{r['data_wait_pct']:.2f} % of the app's step time (app's own log: "
+         f"{fmt(r['logged_data_wait_pct'], '.2f')} %; <= {t['data_wait_pct']:g} %)"),
+        (syncs["per_ordinary_step"] <= t["syncs_per_step"], "host syncs",
+         f"{syncs['per_ordinary_step']:g} a step outside log steps; "
+         f"{sum(syncs['log_sites'].values())} at a log step"),
+    ]
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def report(r: dict[str, Any]) -> list[str]:
+    """The lines of one model: setup, both sides' figures, verdicts, sync sites."""
+    s = r["setup"]
+    lines = [f"{r['model']}: seq {r['seq_len']} x micro {r['micro_batch']}, {s['device']}, "
+             f"{s['precision']}, ZeRO-{s['zero']}, {s['optimizer'].rsplit('.', 1)[-1]}"
+             f"{' (fused)' if s['fused'] else ''}, attention {s['attention']}"]
+    for name in ("app", "plain"):
+        side = r[name]
+        mfu = ("n/a (no peak for this device)" if side["mfu"] is None
+               else f"{100 * side['mfu']:.1f} %")
+        lines.append(f"  {name:<5} {side['ms_per_step']:8.2f} ms/step "
+                     f"{side['tokens_per_sec']:12,.0f} tokens/s  MFU {mfu}")
+    for ok, name, detail in verdicts(r):
+        lines.append(f"  {'PASS' if ok else 'FAIL'} {name:<10} {detail}")
+    for phase in ("step_sites", "log_sites"):
+        for site, n in r["syncs"][phase].items():
+            lines.append(f"    sync {phase[:-6]:<4} {n:3d} x {site}")
+    for call, c in r["busy"]["app"]["sync_calls"].items():
+        lines.append(f"    trace {call}: {c['count']} calls, {c['ms']:.2f} ms in "
+                     f"{r['busy']['app']['wall_ms']:.0f} ms")
+    return lines
+
+
+def nccl_line(b: dict[str, Any]) -> str:
+    t = b["transport"] or {}
+    via = ", ".join(t.get("via") or []) or "not in the log"
+    net = f"; network plugin {', '.join(t['net'])}" if t.get("net") else ""
+    return (f"NCCL all_reduce {b['mb']} MB over {b['world']} GPUs: bus "
+            f"{b['bfloat16']['bus_gbs']:.0f} GB/s bf16, {b['float32']['bus_gbs']:.0f} GB/s fp32; "
+            f"transport {via}{net}")
+
+
+def ratio_line(results: list[dict[str, Any]]) -> str:
+    return "app / plain = " + "; ".join(
+        f"{r['ratio']:.3f} x ({r['model']}, seq {r['seq_len']} x micro {r['micro_batch']}, "
+        f"{r['setup']['device']} {r['setup']['precision']})" for r in results)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu", action="store_true",
+                   help="tiny models on CPU (CI); verdicts informative")
+    p.add_argument("--quick", action="store_true", help="the first model only, fewer rounds")
+    p.add_argument("--out", type=Path, default=Path("gpu_mfu-out"))
+    p.add_argument("--models", nargs="+", help="presets instead of the default three (two on CPU)")
+    p.add_argument("--micro-batch", type=int, help="first try (halved on out-of-memory)")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--block", type=int, help="steps a turn (and the app's log interval)")
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--tokens", type=int,
+                   help="synthetic dataset size (default: enough to not repeat)")
+    p.add_argument("--zero", type=int, choices=range(4), help="the app's ZeRO stage (default: "
+                   "the app's own choice); the plain loop is the same either way")
+    p.add_argument("--compile", action="store_true", help="the app with --compile")
+    p.add_argument("--strict", action="store_true", help="exit 1 on a FAIL on CPU too")
+    p.add_argument("--probe", action="store_true",
+                   help="print the flash-attn and FusedAdam lines only")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.child:
+        child(args.child)
+        return 0
+    print(f"flash-attn: {probe_flash_attn()}")
+    print(f"FusedAdam:  {probe_fused_adam()}")
+    if args.probe:
+        return 0
+    if not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("gpu_mfu.py: error: no GPU visible to torch; --cpu runs tiny models "
+                         "on CPU")
+    g = geometry(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, doc = [], {"mode": "cpu" if args.cpu else "gpu", "quick": args.quick,
+                        "thresholds": THRESHOLDS, "geometry": g, "models": []}
+    with tempfile.TemporaryDirectory(prefix="gpu_mfu_") as tmp:
+        for model in models_for(args):
+            data = dataset(Path(tmp), family(model), args, g)
+            r = run_model(args, model, data, g, args.out)
+            r["verdicts"] = [{"pass": ok, "name": n, "detail": d} for ok, n, d in verdicts(r)]
+            results.append(r)
+            doc["models"].append(r)
+            print("\n".join(report(r)), flush=True)
+    if not args.cpu and torch.cuda.device_count() >= 2:
+        doc["nccl"] = bus_bandwidth(torch.cuda.device_count(), args.out / "nccl")
+        print(nccl_line(doc["nccl"]))
+    failed = any(not v["pass"] for r in results for v in r["verdicts"])
+    doc["failed"] = failed
+    (args.out / "gpu_mfu.json").write_text(json.dumps(doc, indent=1))
+    print(f"{'FAIL' if failed else 'PASS'}: all thresholds"
+          + (" (informative on CPU)" if args.cpu else "") + f"; details in {args.out}/gpu_mfu.json")
+    print(ratio_line(results))
+    return 1 if failed and (args.strict or not args.cpu) else 0
+
+
+def dataset(tmp: Path, fam: str, args, g: dict[str, int]) -> Path:
+    """The family's synthetic token shards (once per family): enough tokens that the run does
+    not repeat them (the loader's epoch boundary is no part of a step's cost)."""
+    root = tmp / fam
+    if not (root / "dataset.json").exists():
+        steps = g["warmup"] + g["block"] * (g["rounds"] + 3) + g["profile_steps"]
+        tokens = args.tokens or 2 * steps * g["micro_batch"] * g["seq_len"] + 200_000
+        root.mkdir()
+        make_dataset(root, tokens, shards=2, vocab=VOCABS[fam])
+    return root
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -203,6 +203,7 @@ def sync_free_steps(engine) -> str | None:
     _install_sync_free()
     if isinstance(opt, DeepSpeedZeroOptimizer):
         opt.check_grad_overflow = False  # ZeRO-2 bf16: has_overflow's .item()
+        stream_ordered_epilogue(opt)
     step = opt.step
 
     def sync_free_step(*args, **kwargs):
@@ -255,3 +256,44 @@ def _bf16_unfused_step(self, closure=None):
             fp32_param.grad = None
             lp.data.copy_(fp32_param.data)
     return self.overflow
+
+
+def stream_ordered_epilogue(opt) -> bool:
+    """ZeRO-1/2 with `overlap_comm` on a device with streams (CUDA): the end of each backward
+    waits for the reduction stream in the compute stream instead of the host waiting for the
+    whole device.
+
+    DeepSpeed's `independent_gradient_partition_epilogue` (and the `allreduce_and_copy` it may
+    call) runs `get_accelerator().synchronize()` before it drops the gradients the reduction
+    stream has read ("safe to clear"), then goes on with compute-stream work that reads the
+    reduced gradients. What must come after the reduction is device work: the compute stream's
+    later kernels (reading the reduced partition; reusing, through the caching allocator, the
+    blocks of the dropped gradients, which were allocated on the compute stream) and the
+    reduction stream's own later work. `current_stream().wait_stream(reduction_stream)` orders
+    all of it after the reduction queued so far, as the device sync did, without the host
+    waiting. Not with an offloaded optimizer (the host then reads what the reduction wrote) nor
+    where the accelerator orders streams itself (the CPU: no sync is made there). Returns
+    whether the epilogue was changed."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    stream = getattr(opt, "reduction_stream", None)
+    if (not opt.overlap_comm or opt.cpu_offload or stream is None
+            or accel.resolves_data_dependency()):
+        return False
+    epilogue = opt.independent_gradient_partition_epilogue
+
+    def independent_gradient_partition_epilogue(*args, **kwargs):
+        had = "synchronize" in vars(accel)
+        before = vars(accel).get("synchronize")
+        accel.synchronize = lambda device_index=None: accel.current_stream().wait_stream(stream)
+        try:
+            return epilogue(*args, **kwargs)
+        finally:
+            if had:
+                accel.synchronize = before
+            else:
+                del accel.synchronize
+
+    opt.independent_gradient_partition_epilogue = independent_gradient_partition_epilogue
+    return True

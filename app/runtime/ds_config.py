@@ -299,14 +299,15 @@ def _fill_precision(ds: dict[str, Any], precision: str) -> None:
 def _fill_sync_free(ds: dict[str, Any], precision: str) -> None:
     """No host sync in a step (docs/gpu.md): what a file does not set itself. DeepSpeed's
     throughput timer (on by default) synchronises the device at every forward and every step for
-    a figure the app measures itself (ComputeClock): off. In bf16, DeepSpeed's per-step overflow
-    check (ZeRO-2: a host read of an all-reduced flag) is off: the app's LossMonitor marks a
-    non-finite loss on the device and the anomaly policy acts on it (app.runtime.patches,
-    `sync_free_steps`, which also honours a file's `"check_grad_overflow": true`). fp16 keeps
-    its check: the dynamic loss scale skips steps on it."""
+    a figure the app measures itself (ComputeClock): off. In bf16 at ZeRO-2, the one stage whose
+    optimizer reads it, DeepSpeed's per-step overflow check (a host read of an all-reduced flag)
+    is off: the app's LossMonitor marks a non-finite loss on the device and the anomaly policy
+    acts on it (app.runtime.patches, `sync_free_steps`, which honours a file's
+    `"check_grad_overflow": true`). fp16 keeps its check: the dynamic loss scale skips steps on
+    it."""
     if "timers" not in ds:
         ds["timers"] = {"throughput": {"enabled": False}}
-    if precision == "bf16" and isinstance(ds.get("bf16"), dict):
+    if precision == "bf16" and zero_stage(ds) == 2 and isinstance(ds.get("bf16"), dict):
         ds["bf16"].setdefault("check_grad_overflow", False)
 
 

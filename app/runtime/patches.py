@@ -181,8 +181,9 @@ def _install_sync_free() -> None:
 def sync_free_steps(engine) -> str | None:
     """Make the optimizer's step free of host reads (above); returns what was done, None where
     DeepSpeed's checks stay: fp16 (dynamic loss scaling skips steps on the host's word), a
-    ds_config that asks for `bf16.check_grad_overflow`, model or expert parallelism (their
-    norms are summed through the host here and there), and optimizers not listed below."""
+    ds_config that asks for `bf16.check_grad_overflow` at ZeRO-2 (the one optimizer of
+    DeepSpeed's that reads it), model or expert parallelism (their norms are summed through the
+    host here and there), and optimizers not listed below."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -192,8 +193,8 @@ def sync_free_steps(engine) -> str | None:
     if engine.fp16_enabled() or engine.mpu is not None or getattr(engine, "has_moe_layers",
                                                                   False):
         return None
-    if engine.bfloat16_enabled() and engine._config.bfloat16_config.check_grad_overflow:
-        return None
+    if isinstance(opt, DeepSpeedZeroOptimizer) and opt.check_grad_overflow:
+        return None  # fp32 leaves it off; bf16 at ZeRO-2: off unless the file turned it on
     if isinstance(opt, FP16_UnfusedOptimizer) and not opt.fused_lamb_legacy:
         opt.step = types.MethodType(_bf16_unfused_step, opt)
         return "bf16 step without host reads (the app's LossMonitor judges non-finite steps)"

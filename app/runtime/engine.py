@@ -125,13 +125,15 @@ def apply_lr_schedule(engine) -> None:
 
 
 def engine_facts(engine) -> dict[str, Any]:
-    """What DeepSpeed built from the config (recorded in config.json): the optimizer wrapper and
-    the dtypes of the weights and of gradient accumulation."""
+    """What DeepSpeed built from the config (recorded in config.json): the optimizer wrapper,
+    the dtypes of the weights and of gradient accumulation, and whether its step runs without
+    host reads (patches.sync_free_steps; None: DeepSpeed's own step)."""
     model_dtype, grad_dtype = engine.get_data_types()
     return {"optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
             "grad_accum_dtype": str(grad_dtype), "zero_stage": engine.zero_optimization_stage(),
             "communication_data_type": str(engine.communication_data_type),
-            "grad_reduction": getattr(engine, "app_grad_reduction", None)}
+            "grad_reduction": getattr(engine, "app_grad_reduction", None),
+            "sync_free_step": getattr(engine, "app_sync_free", None)}
 
 
 def grad_norm_before_step(engine) -> torch.Tensor | None:

@@ -24,8 +24,9 @@ import pytest
 from tests.helpers import REPO, TINY, clean_env, run_app
 
 N = 4
+STEP_PROBE = str(REPO / "tests" / "step_probe.py")
 PROBE = f"""import importlib.util, os
-_spec = importlib.util.spec_from_file_location("host_sync_probe", {str(REPO / "tests" / "step_probe.py")!r})
+_spec = importlib.util.spec_from_file_location("host_sync_probe", {STEP_PROBE!r})
 _probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_probe)
 _probe.count_host_syncs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))

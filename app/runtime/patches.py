@@ -4,6 +4,8 @@
 `share_fp32_partitions`: ZeRO-3 in fp32 keeps one copy of each partition, not two.
 `local_zero1_reduction`: ZeRO-1's boundary reduction skips its collective, for gradients the
 app's reducer (app.runtime.overlap) summed during backward.
+`sync_free_steps`: DeepSpeed's optimizer step without host reads of the device, outside fp16.
+`stream_ordered_epilogue`: ZeRO-2's end of backward waits on a stream, not the host (CUDA).
 None changes a trained value (each docstring says why); each returns what it did.
 """
 from __future__ import annotations
@@ -148,7 +150,7 @@ def _clip_without_reading(clip):
         coef = torch.clamp(max_norm / (global_norm + eps), max=1.0)
         tensors = [t.detach() for t in input_tensors]
         if tensors:
-            torch._foreach_mul_(tensors, coef.to(tensors[0].dtype))
+            torch._foreach_mul_(tensors, coef)  # as DeepSpeed's mul_ by the fp32 coefficient
         return global_norm
     return clip_tensors_by_global_norm
 

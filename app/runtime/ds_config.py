@@ -199,6 +199,7 @@ def fill_auto(ds: dict[str, Any], *, micro_batch: int, grad_accum: int, world_si
     _fill_optimizer(ds, {"lr": lr, "betas": list(betas), "eps": eps,
                          "weight_decay": weight_decay}, where)
     _fill_precision(ds, precision)
+    _fill_sync_free(ds, precision)
     _fill_comm_dtype(ds, precision, grad_comm_dtype, where)
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     opt = ds["optimizer"]
@@ -300,6 +301,21 @@ def _fill_precision(ds: dict[str, Any], precision: str) -> None:
         # BF16_Optimizer adds each bf16 gradient to its fp32 buffer in the gradient's hook,
         # during backward, so the app's reducer can send it from there (app.runtime.overlap)
         ds["bf16"].setdefault("immediate_grad_update", True)
+
+
+def _fill_sync_free(ds: dict[str, Any], precision: str) -> None:
+    """No host sync in a step (docs/gpu.md): what a file does not set itself. DeepSpeed's
+    throughput timer (on by default) synchronises the device at every forward and every step for
+    a figure the app measures itself (ComputeClock): off. In bf16 at ZeRO-2, the one stage whose
+    optimizer reads it, DeepSpeed's per-step overflow check (a host read of an all-reduced flag)
+    is off: the app's LossMonitor marks a non-finite loss on the device and the anomaly policy
+    acts on it (app.runtime.patches, `sync_free_steps`, which honours a file's
+    `"check_grad_overflow": true`). fp16 keeps its check: the dynamic loss scale skips steps on
+    it."""
+    if "timers" not in ds:
+        ds["timers"] = {"throughput": {"enabled": False}}
+    if precision == "bf16" and zero_stage(ds) == 2 and isinstance(ds.get("bf16"), dict):
+        ds["bf16"].setdefault("check_grad_overflow", False)
 
 
 def _fill_comm_dtype(ds: dict[str, Any], precision: str, flag: str | None, where: Path) -> None:

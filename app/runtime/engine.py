@@ -14,7 +14,8 @@ import torch
 
 from app.runtime.ops import load_op, optimizer_op
 from app.runtime.overlap import GradReducer, switched_off
-from app.runtime.patches import local_zero1_reduction, share_fp32_partitions, skip_lone_allreduce
+from app.runtime.patches import (local_zero1_reduction, share_fp32_partitions, skip_lone_allreduce,
+                                 sync_free_steps)
 
 
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
@@ -34,6 +35,7 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
                                            config=ds_config, lr_scheduler=scheduler)
     share_fp32_partitions(engine)
     skip_lone_allreduce(engine)
+    engine.app_sync_free = sync_free_steps(engine)
     engine.app_grad_reduction = overlap_reduction(engine)
     return engine
 
@@ -123,13 +125,15 @@ def apply_lr_schedule(engine) -> None:
 
 
 def engine_facts(engine) -> dict[str, Any]:
-    """What DeepSpeed built from the config (recorded in config.json): the optimizer wrapper and
-    the dtypes of the weights and of gradient accumulation."""
+    """What DeepSpeed built from the config (recorded in config.json): the optimizer wrapper,
+    the dtypes of the weights and of gradient accumulation, and whether its step runs without
+    host reads (patches.sync_free_steps; None: DeepSpeed's own step)."""
     model_dtype, grad_dtype = engine.get_data_types()
     return {"optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
             "grad_accum_dtype": str(grad_dtype), "zero_stage": engine.zero_optimization_stage(),
             "communication_data_type": str(engine.communication_data_type),
-            "grad_reduction": getattr(engine, "app_grad_reduction", None)}
+            "grad_reduction": getattr(engine, "app_grad_reduction", None),
+            "sync_free_step": getattr(engine, "app_sync_free", None)}
 
 
 def grad_norm_before_step(engine) -> torch.Tensor | None:

@@ -4,10 +4,13 @@
 `share_fp32_partitions`: ZeRO-3 in fp32 keeps one copy of each partition, not two.
 `local_zero1_reduction`: ZeRO-1's boundary reduction skips its collective, for gradients the
 app's reducer (app.runtime.overlap) summed during backward.
+`sync_free_steps`: DeepSpeed's optimizer step without host reads of the device, outside fp16.
+`stream_ordered_epilogue`: ZeRO-2's end of backward waits on a stream, not the host (CUDA).
 None changes a trained value (each docstring says why); each returns what it did.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -103,3 +106,197 @@ def _dp_size(optimizer, process_group) -> float:
 
     group = optimizer.dp_process_group if process_group is None else process_group
     return dist.get_world_size(group=group) / float(optimizer.sequence_parallel_size)
+
+
+# -- no host sync in a step ----------------------------------------------------------------------
+#
+# DeepSpeed's optimizer wrappers read the device on the host every step: to skip a step whose
+# gradients are not finite (`is_invalid_grad_norm`: `bool(...)`), to clip only when needed (`if
+# clip_coef < 1`), and, at ZeRO-0 in bf16, a `float()` of every group's norm and a `bool()` of
+# every gradient's inf/NaN check. Each read drains the device's queue. Outside fp16 (whose dynamic
+# loss scale must know on the host whether to skip) the app's LossMonitor (app.faults.anomaly)
+# already marks a non-finite step on the device and the anomaly policy rolls it back at the next
+# check point, so the wrappers' checks are switched off while an app-patched optimizer steps.
+_SYNC_FREE = {"depth": 0}
+
+
+@contextlib.contextmanager
+def _sync_free():
+    _SYNC_FREE["depth"] += 1
+    try:
+        yield
+    finally:
+        _SYNC_FREE["depth"] -= 1
+
+
+def _unless_sync_free(checked):
+    """`is_invalid_grad_norm` for DeepSpeed's modules: False inside an app-patched step (the
+    LossMonitor judges the step), DeepSpeed's own check elsewhere (fp16)."""
+    def is_invalid_grad_norm(norm):
+        return False if _SYNC_FREE["depth"] else checked(norm)
+    return is_invalid_grad_norm
+
+
+def _clip_without_reading(clip):
+    """`clip_tensors_by_global_norm` of BF16_Optimizer inside an app-patched step: the same
+    coefficient `max_norm / (norm + eps)`, applied as min(coefficient, 1) on the device with one
+    foreach multiply, where DeepSpeed reads `clip_coef < 1` on the host and then multiplies tensor
+    by tensor (x * 1.0 is x: the values are DeepSpeed's)."""
+    def clip_tensors_by_global_norm(input_tensors, max_norm=1.0, global_norm=None, mpu=None,
+                                    eps=1e-6):
+        if not _SYNC_FREE["depth"] or global_norm is None or not torch.is_tensor(global_norm):
+            return clip(input_tensors, max_norm=max_norm, global_norm=global_norm, mpu=mpu,
+                        eps=eps)
+        coef = torch.clamp(max_norm / (global_norm + eps), max=1.0)
+        tensors = [t.detach() for t in input_tensors]
+        if tensors:
+            torch._foreach_mul_(tensors, coef)  # as DeepSpeed's mul_ by the fp32 coefficient
+        return global_norm
+    return clip_tensors_by_global_norm
+
+
+def _mask_in_place(input, device=None, val=-1.):
+    """DeepSpeed's `mask_nan_or_inf_with_val_inplace` with the value as a kernel argument: its
+    `torch.tensor(-1.0, device=...)` is a blocking copy from host memory, which waits for the
+    device's queue on CUDA. The same values."""
+    input.masked_fill_(input.isnan().logical_or(input.isinf()), val)
+
+
+def _install_sync_free() -> None:
+    """Swap the module-level helpers DeepSpeed's optimizers call (once per process). Outside an
+    app-patched step they behave as DeepSpeed's own."""
+    from deepspeed.runtime import bf16_optimizer, utils
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    for module in (bf16_optimizer, stage_1_and_2, stage3):
+        if not getattr(module.is_invalid_grad_norm, "app_sync_free", False):
+            module.is_invalid_grad_norm = _unless_sync_free(module.is_invalid_grad_norm)
+            module.is_invalid_grad_norm.app_sync_free = True
+    if not getattr(bf16_optimizer.clip_tensors_by_global_norm, "app_sync_free", False):
+        bf16_optimizer.clip_tensors_by_global_norm = _clip_without_reading(
+            bf16_optimizer.clip_tensors_by_global_norm)
+        bf16_optimizer.clip_tensors_by_global_norm.app_sync_free = True
+    for module in (utils, stage_1_and_2, stage3):
+        module.mask_nan_or_inf_with_val_inplace = _mask_in_place
+
+
+def sync_free_steps(engine) -> str | None:
+    """Make the optimizer's step free of host reads (above); returns what was done, None where
+    DeepSpeed's checks stay: fp16 (dynamic loss scaling skips steps on the host's word), a
+    ds_config that asks for `bf16.check_grad_overflow` at ZeRO-2 (the one optimizer of
+    DeepSpeed's that reads it), model or expert parallelism (their norms are summed through the
+    host here and there), and optimizers not listed below."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    if engine.fp16_enabled() or engine.mpu is not None or getattr(engine, "has_moe_layers",
+                                                                  False):
+        return None
+    if isinstance(opt, DeepSpeedZeroOptimizer) and opt.check_grad_overflow:
+        return None  # fp32 leaves it off; bf16 at ZeRO-2: off unless the file turned it on
+    if isinstance(opt, FP16_UnfusedOptimizer) and not opt.fused_lamb_legacy:
+        opt.step = types.MethodType(_bf16_unfused_step, opt)
+        return "bf16 step without host reads (the app's LossMonitor judges non-finite steps)"
+    if not isinstance(opt, (BF16_Optimizer, DeepSpeedZeroOptimizer,
+                            DeepSpeedZeroOptimizer_Stage3)):
+        return None
+    _install_sync_free()
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        opt.check_grad_overflow = False  # ZeRO-2 bf16: has_overflow's .item()
+        stream_ordered_epilogue(opt)
+    step = opt.step
+
+    def sync_free_step(*args, **kwargs):
+        with _sync_free():
+            return step(*args, **kwargs)
+
+    opt.step = sync_free_step
+    return f"{type(opt).__name__} step without host reads (the app's LossMonitor judges " \
+           f"non-finite steps)"
+
+
+@torch.no_grad()
+def _bf16_unfused_step(self, closure=None):
+    """FP16_UnfusedOptimizer.step (DeepSpeed's ZeRO-0 wrapper in bf16: no loss scale) with its
+    arithmetic on the device: the group norms are DeepSpeed's (fp32 sum of squared gradient norms,
+    square root in double), combined in double, and the clip multiplier is applied whether or not
+    it clips (x * 1.0 is x), so the values are DeepSpeed's, without its per-gradient `bool()`
+    overflow check and `float()` of each norm. Its invalid-norm skip is the app's LossMonitor's
+    (see above)."""
+    total = None
+    for lp_group, fp32_group in zip(self.fp16_groups, self.fp32_groups):
+        grads = [p.grad for p in lp_group if p.grad is not None]
+        if grads:
+            squares = 0.
+            for g in grads:
+                squares = squares + g.data.float().norm(2) ** 2
+            group = squares.double() ** 0.5
+            total = group ** 2.0 if total is None else total + group ** 2.0
+        for fp32_param, lp in zip(fp32_group, lp_group):
+            fp32_param.grad = torch.zeros(lp.size(), dtype=fp32_param.dtype,
+                                          device=fp32_param.device) if lp.grad is None \
+                else lp.grad.to(fp32_param.dtype)
+    norm = total.sqrt() if total is not None else torch.zeros((), dtype=torch.float64)
+    self._global_grad_norm = norm
+    self._update_scale(False)
+    scale = self.loss_scale_config.cur_scale
+    if self.clip_grad > 0.:
+        clip = (norm / scale + 1e-6) / self.clip_grad
+        combined = torch.where(clip > 1, clip * scale, torch.full_like(clip, scale))
+        grads = [p.grad for group in self.fp32_groups for p in group if p.grad is not None]
+        torch._foreach_mul_(grads, (1. / combined).to(torch.float32))
+    elif scale != 1.0:
+        for group in self.fp32_groups:
+            for p in group:
+                if p.grad is not None:
+                    p.grad.data.mul_(1. / scale)
+    self.optimizer.step()
+    for fp32_group, lp_group in zip(self.fp32_groups, self.fp16_groups):
+        for fp32_param, lp in zip(fp32_group, lp_group):
+            fp32_param.grad = None
+            lp.data.copy_(fp32_param.data)
+    return self.overflow
+
+
+def stream_ordered_epilogue(opt) -> bool:
+    """ZeRO-1/2 with `overlap_comm` on a device with streams (CUDA): the end of each backward
+    waits for the reduction stream in the compute stream instead of the host waiting for the
+    whole device.
+
+    DeepSpeed's `independent_gradient_partition_epilogue` (and the `allreduce_and_copy` it may
+    call) runs `get_accelerator().synchronize()` before it drops the gradients the reduction
+    stream has read ("safe to clear"), then goes on with compute-stream work that reads the
+    reduced gradients. What must come after the reduction is device work: the compute stream's
+    later kernels (reading the reduced partition; reusing, through the caching allocator, the
+    blocks of the dropped gradients, which were allocated on the compute stream) and the
+    reduction stream's own later work. `current_stream().wait_stream(reduction_stream)` orders
+    all of it after the reduction queued so far, as the device sync did, without the host
+    waiting. Not with an offloaded optimizer (the host then reads what the reduction wrote) nor
+    where the accelerator orders streams itself (the CPU: no sync is made there). Returns
+    whether the epilogue was changed."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    stream = getattr(opt, "reduction_stream", None)
+    if (not opt.overlap_comm or opt.cpu_offload or stream is None
+            or accel.resolves_data_dependency()):
+        return False
+    epilogue = opt.independent_gradient_partition_epilogue
+
+    def independent_gradient_partition_epilogue(*args, **kwargs):
+        had = "synchronize" in vars(accel)
+        before = vars(accel).get("synchronize")
+        accel.synchronize = lambda device_index=None: accel.current_stream().wait_stream(stream)
+        try:
+            return epilogue(*args, **kwargs)
+        finally:
+            if had:
+                accel.synchronize = before
+            else:
+                del accel.synchronize
+
+    opt.independent_gradient_partition_epilogue = independent_gradient_partition_epilogue
+    return True

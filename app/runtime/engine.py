@@ -8,10 +8,13 @@ backward/step and never imports DeepSpeed.
 """
 from __future__ import annotations
 
+import os
+import types
 from typing import Any, Callable
 
 import torch
 
+from app.runtime.device import device_ordinal
 from app.runtime.ops import load_op, optimizer_op
 from app.runtime.overlap import GradReducer, switched_off
 from app.runtime.patches import (local_zero1_reduction, share_fp32_partitions, skip_lone_allreduce,
@@ -31,7 +34,10 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     if op:
         load_op(op)
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups,
+    # DeepSpeed takes LOCAL_RANK as the device ordinal unless told: with one visible device per
+    # task (Slurm --gpus-per-task=1) that ordinal names no device (app.runtime.device)
+    args = types.SimpleNamespace(device_rank=device_ordinal(int(os.environ.get("LOCAL_RANK", 0))))
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=param_groups,
                                            config=ds_config, lr_scheduler=scheduler)
     share_fp32_partitions(engine)
     skip_lone_allreduce(engine)

@@ -17,8 +17,8 @@ import torch
 from app.runtime.device import device_ordinal
 from app.runtime.ops import load_op, optimizer_op
 from app.runtime.overlap import GradReducer, switched_off
-from app.runtime.patches import (local_zero1_reduction, share_fp32_partitions, skip_lone_allreduce,
-                                 sync_free_steps)
+from app.runtime.patches import (local_fp32_clipping, local_zero1_reduction, share_fp32_partitions,
+                                 skip_lone_allreduce, sync_free_steps)
 
 
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
@@ -41,6 +41,7 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
                                            config=ds_config, lr_scheduler=scheduler)
     share_fp32_partitions(engine)
     skip_lone_allreduce(engine)
+    local_fp32_clipping(engine)
     engine.app_sync_free = sync_free_steps(engine)
     engine.app_grad_reduction = overlap_reduction(engine)
     return engine

@@ -6,6 +6,7 @@
 app's reducer (app.runtime.overlap) summed during backward.
 `sync_free_steps`: DeepSpeed's optimizer step without host reads of the device, outside fp16.
 `stream_ordered_epilogue`: ZeRO-2's end of backward waits on a stream, not the host (CUDA).
+`local_fp32_clipping`: ZeRO-0 in fp32 clips without a collective per step.
 None changes a trained value (each docstring says why); each returns what it did.
 """
 from __future__ import annotations
@@ -30,6 +31,36 @@ def skip_lone_allreduce(engine) -> bool:
     if not stage0 or engine.dp_world_size != 1 or getattr(engine, "has_moe_layers", False):
         return False
     engine.enable_backward_allreduce = False
+    return True
+
+
+def local_fp32_clipping(engine) -> bool:
+    """ZeRO-0 in fp32: DeepSpeed's gradient clipping without its all-reduce of the norm.
+    DeepSpeed's `clip_grad_norm_` averages the norm over the data-parallel ranks every step (for
+    MoE, whose expert gradients differ by rank): here every rank holds the same all-reduced
+    gradients, so the collective sums N equal values to get one back, a latency-bound round trip
+    per step across the whole job (on one rank a call with itself: ~0.2-1.8 ms of a bert-tiny CPU
+    step, docs/benchmarks.md). The arithmetic is DeepSpeed's, in its order (per-tensor norms, the
+    sum of their squares, its root; max_norm / (norm + 1e-6), at most 1), on torch's foreach
+    kernels: the same bits on one rank and whenever N is a power of two (its average then
+    divides exactly). Returns whether it was applied (not with MoE, model parallelism, a grad
+    scaler, or fp16/bf16/ZeRO, which DeepSpeed clips inside its optimizer wrappers)."""
+    if (engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled()
+            or getattr(engine, "has_moe_layers", False) or engine.mpu is not None
+            or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None):
+        return False
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+
+    def clip_fp32_gradients():
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        total = torch.stack(torch._foreach_norm(grads)).pow(2).sum().float().pow(0.5)
+        limit = total.new_full((), float(engine.gradient_clipping()))  # no host-to-device copy
+        coef = torch.clamp(limit / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
     return True
 
 

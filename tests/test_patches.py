@@ -1,0 +1,48 @@
+"""The patches to a built DeepSpeed engine (app/runtime/patches.py) against DeepSpeed's own code,
+on a real engine in a process of its own (a world of one, DeepSpeed's CPU accelerator)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, clean_env, free_port
+
+# ZeRO-0 fp32 with clipping active (the gradients' norm far above 0.05): the app's clipping,
+# without DeepSpeed's all-reduce of the norm, gives DeepSpeed's clipped gradients bit for bit.
+CLIPPING = r"""
+import copy, torch
+from deepspeed.runtime.utils import clip_grad_norm_
+from app.runtime.engine import initialize
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+      "train_batch_size": 4, "gradient_clipping": 0.05, "zero_optimization": {"stage": 0},
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+engine = initialize(model, ds, lambda step: 1.0, [{"params": list(model.parameters())}])
+assert engine.clip_fp32_gradients.__qualname__.startswith("local_fp32_clipping"), "not patched"
+loss = engine(torch.randn(4, 16)).pow(2).sum() * 100
+engine.backward(loss)
+params = [p for p in engine.module.parameters()]
+theirs = [copy.deepcopy(p) for p in params]
+for mine, copied in zip(params, theirs):
+    copied.grad = mine.grad.clone()
+norm = clip_grad_norm_(theirs, max_norm=0.05)
+assert float(norm) > 0.5, f"clipping not active: norm {float(norm)}"
+engine.clip_fp32_gradients()
+for mine, copied in zip(params, theirs):
+    assert torch.equal(mine.grad, copied.grad), (mine.grad - copied.grad).abs().max()
+print("equal", float(norm))
+"""
+
+
+@pytest.mark.slow
+def test_zero0_fp32_clipping_equals_deepspeeds_without_its_collective():
+    env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run([sys.executable, "-c", CLIPPING], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "equal" in done.stdout

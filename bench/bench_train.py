@@ -17,6 +17,8 @@ under that interpreter, where `accelerate` and `lightning` are installed: they a
 project's dependencies): the Hugging Face Trainer with DeepSpeed ZeRO-0 (the same DeepSpeed
 config as the app's zero0.json, filled the same way) and a Lightning loop, on the same model,
 batches, optimizer, schedule and clipping; their step time from a callback around each step.
+For a causal LM they train transformers' own GPT2LMHeadModel (its loss, its cache: what users of
+those tools run; the same weights), `--others-model app` gives them the app's training model.
 """
 from __future__ import annotations
 
@@ -109,11 +111,17 @@ def reference_run(args, side: str = "ref") -> dict:
 
 
 def _model_and_batches(args, manifest: dict):
-    """The app's model and an iterator over the app's batches (as the reference loop builds)."""
+    """The model an --others side trains and an iterator over the app's batches (as the
+    reference loop builds). The model: with `--others-model stock` and the causal objective,
+    the transformers class a user of that tool trains (GPT2LMHeadModel with its own loss and
+    its inference cache on, as transformers configures it), built from the same config and seed
+    (the same weights); else the app's training model (its chunked loss; for MLM always: its
+    batches carry the masked positions only the app's sparse head takes)."""
     config = build_config(args.model, vocab_size=manifest["vocab_size"],
                           special_ids=special_ids(manifest),
                           overrides=parse_overrides(args.model_arg), dropout=args.dropout)
-    model = build_model(config, seed=args.seed, for_training=True)
+    stock = args.others_model == "stock" and args.objective == "clm"
+    model = build_model(config, seed=args.seed, for_training=not stock)
     spec = DataSpec(args.data, "train", args.seq_len, args.objective, seed=args.seed)
     loader = build_train_loader(spec, micro_batch=args.micro_batch, global_batch=args.micro_batch,
                                 dp_rank=0, dp_size=1, consumed_samples=0,
@@ -272,6 +280,10 @@ def main() -> None:
     p.add_argument("--others", default="", help="more sides, comma-separated: hf, lightning")
     p.add_argument("--python", type=Path, default=Path(sys.executable),
                    help="interpreter for --others (with accelerate and lightning installed)")
+    p.add_argument("--others-model", choices=("stock", "app"), default="stock",
+                   help="the model --others train for a causal LM: stock = transformers' own class "
+                        "and loss, as users of the HF Trainer or Lightning run it (default); app "
+                        "= the app's training model (chunked loss, no cache)")
     p.add_argument("--side-only", help=argparse.SUPPRESS)
     args = p.parse_args()
     manifest = load_manifest(args.data)
@@ -298,6 +310,7 @@ def main() -> None:
         "model": args.model, "model_args": args.model_arg, "seq_len": args.seq_len,
         "micro_batch": args.micro_batch, "steps": args.steps, "num_workers": args.num_workers,
         "reference_head": "full" if args.full_head else "same as the app",
+        "others_model": args.others_model if args.objective == "clm" else "app",
         "reference_step_time_ms": round(ref_ms, 2), "app_step_time_ms": round(app_ms, 2),
         "ratio_app_over_reference": round(app_ms / ref_ms, 3),
         "app_data_wait_pct": round(statistics.median(r["data_wait_pct"] for r in app), 3),

@@ -9,12 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
 
 from app.data import packing
 from app.data.loader import (DataSpec, MixtureSpec, TokenWindows, build_eval_loader,
                              build_train_loader, dataset_stats)
 from app.data.masking import IGNORE_INDEX
-from app.model import build_config, build_model, check_packed_attention, document_attention
+from app.model import (build_config, build_model, check_packed_attention, document_attention,
+                       varlen_kwargs)
 from app.telemetry import figures as telemetry
 from app.trainer import real_tokens, token_sums
 from data_tools.errors import UserError
@@ -59,7 +62,7 @@ def test_each_document_is_laid_out_as_doc_lays_it_out(short_docs):
     for w in range(plan.windows):
         batch = packed._packed_batch(np.array([w]), np.array([w]))  # window w itself
         ids, pos, did = unmasked(batch)[0], batch["position_ids"][0], batch["document_ids"][0]
-        at = 0
+        at, sizes = 0, []
         for place, d in enumerate(plan.window(w).tolist(), start=1):
             want, length = packing.doc_sample(doc.stream, d, SEQ, pad_id=PAD, eod_id=SEP,
                                               cls_id=CLS, bert_layout=True)
@@ -68,7 +71,11 @@ def test_each_document_is_laid_out_as_doc_lays_it_out(short_docs):
             assert pos[at:at + length].tolist() == list(range(length))
             assert (did[at:at + length] == place).all()
             at += length
+            sizes.append(length)
         assert batch["tokens"][0, 0] == at <= SEQ
+        slots = packing.window_docs(SEQ) + 1  # the documents, the padding, then empty ones
+        assert batch["doc_lengths"][0].tolist() == sizes + [SEQ - at] + [0] * (slots - 1 -
+                                                                               len(sizes))
         assert (did[at:] == 0).all() and (ids[at:] == PAD).all()
         assert (batch["labels"][0, at:] == IGNORE_INDEX).all()  # padding: no loss
         seen += at
@@ -110,11 +117,25 @@ def test_decoders_are_refused(short_docs):
 
 # -- the math per document ---------------------------------------------------------------------
 
-def eval_loss(root: Path, mode: str, attn: str) -> tuple[float, float]:
-    """(eval loss, predicted tokens) of one fixed bert-tiny over the whole val split."""
-    config = build_config("bert-tiny", vocab_size=500, attn_implementation=attn,
-                          special_ids={"pad_token_id": PAD, "cls_token_id": None})
+# ModernBERT with a 16-token window (8 each side) in its local layers: windows of 64 tokens hold
+# documents longer than it, so the sliding window and the documents both cut the attention (a
+# larger init than its own, or the window would hardly move the loss).
+MODELS = {"bert-tiny": {}, "roberta-tiny": {},
+          "modernbert-tiny": {"local_attention": 16, "initializer_range": 0.2}}
+
+
+# transformers builds a model whose attention is named flash* only with a flash kernel at hand:
+# the reference is built as SDPA, then named (the name is looked up at each forward)
+BUILT_AS = {"flash_varlen_reference": "sdpa"}
+
+
+def eval_loss(root: Path, mode: str, attn: str, model: str = "bert-tiny") -> tuple[float, float]:
+    """(eval loss, predicted tokens) of one fixed model over the whole val split."""
+    config = build_config(model, vocab_size=500, attn_implementation=BUILT_AS.get(attn, attn),
+                          special_ids={"pad_token_id": PAD, "cls_token_id": CLS,
+                                       "sep_token_id": SEP}, overrides=MODELS[model])
     model = build_model(config, seed=0, for_training=True).eval()
+    model.config._attn_implementation = attn  # read by every layer at each forward
     loader = build_eval_loader(spec(root, mode, split="val"), micro_batch=3, dp_rank=0,
                                dp_size=1, max_samples=None, num_workers=0)
     sums = torch.zeros(3, dtype=torch.float64)
@@ -125,10 +146,11 @@ def eval_loss(root: Path, mode: str, attn: str) -> tuple[float, float]:
     return float(sums[0] / sums[1]), float(sums[1])
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_eval_loss_of_packed_documents_equals_doc(short_docs, attn):
-    doc, doc_tokens = eval_loss(short_docs, "doc", attn)
-    packed, packed_tokens = eval_loss(short_docs, "doc-packed", attn)
+def test_eval_loss_of_packed_documents_equals_doc(short_docs, attn, model):
+    doc, doc_tokens = eval_loss(short_docs, "doc", attn, model)
+    packed, packed_tokens = eval_loss(short_docs, "doc-packed", attn, model)
     assert packed_tokens == doc_tokens  # the same masked tokens of the same documents
     assert abs(packed - doc) <= 1e-5 * doc
 
@@ -141,19 +163,66 @@ def test_document_attention_is_block_diagonal():
     assert mask[5].tolist() == [False] * 5 + [True]  # padding: no empty softmax row
     additive = document_attention(ids, "eager", torch.float32)[0, 0]
     assert additive[0, 1] == 0 and additive[0, 2] == torch.finfo(torch.float32).min
-    with pytest.raises(UserError, match="needs a mask"):
+    with pytest.raises(UserError, match="not a mask"):
         document_attention(ids, "flash_attention_2", torch.bfloat16)
+    local = document_attention(torch.tensor([[1] * 5 + [2]]), "sdpa", torch.float32, window=2)
+    assert local[0, 0, 0].tolist() == [True] * 3 + [False] * 3  # |i - j| <= 2, same document
+    assert local[0, 0, 4].tolist() == [False, False, True, True, True, False]
 
 
 def test_models_without_the_plumbing_are_refused_at_start_up():
-    bert = build_config("bert-tiny", vocab_size=500, special_ids={},
-                        attn_implementation="flash_attention_2")
-    with pytest.raises(UserError, match="needs a mask"):
-        check_packed_attention(bert)
     gpt = build_config("gpt-tiny", vocab_size=500, special_ids={})
     with pytest.raises(UserError, match="not supported for gpt2 models"):
         check_packed_attention(gpt)
-    check_packed_attention(build_config("bert-tiny", vocab_size=500, special_ids={}))
+    for name in MODELS:
+        for attn in ("sdpa", "eager", "flash_attention_2"):
+            check_packed_attention(build_config(name, vocab_size=500, special_ids={},
+                                                attn_implementation=attn))
+
+
+def test_varlen_lengths_cover_each_window():
+    """flash-attention's cumulative lengths: each document, then the window's padding, as one
+    sequence of the flattened batch; zero lengths (empty sequences) fill the width."""
+    lengths = torch.tensor([[3, 2, 1, 0], [4, 2, 0, 0]])
+    got = varlen_kwargs(lengths, 6)
+    assert got["cu_seq_lens_q"].dtype == torch.int32 and got["cu_seq_lens_k"] is got[
+        "cu_seq_lens_q"]
+    assert got["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 6, 10, 12, 12, 12]
+    assert got["max_length_q"] == got["max_length_k"] == 6
+
+
+def varlen_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     sliding_window=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                     max_length_q=None, max_length_k=None, **kwargs):
+    """flash-attention's variable-length call as transformers makes it (the batch flattened, one
+    sequence per segment of `cu_seq_lens`, flash's window of sliding_window - 1 each side), in
+    plain SDPA: what `--attn flash_attention_2` computes, on a CPU."""
+    assert attention_mask is None and cu_seq_lens_q is cu_seq_lens_k
+    b, h, s, d = query.shape
+    assert max_length_q == max_length_k == s and cu_seq_lens_q[-1] == b * s
+    q, k, v = (x.transpose(1, 2).reshape(b * s, h, d) for x in (query, key, value))
+    out = torch.zeros_like(q)
+    bounds = cu_seq_lens_q.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        at = torch.arange(end - start)
+        mask = (None if sliding_window is None
+                else (at[:, None] - at[None]).abs() <= sliding_window - 1)
+        if end > start:
+            out[start:end] = F.scaled_dot_product_attention(
+                *(x[start:end].transpose(0, 1) for x in (q, k, v)), attn_mask=mask,
+                scale=scaling).transpose(0, 1)
+    return out.view(b, s, h, d), None
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_the_varlen_call_of_flash_attention_gives_doc_s_loss(short_docs, model):
+    """The flash path (SparseHead.packed_inputs with an attention named flash*: no mask, the
+    lengths as kwargs down to every layer's attention) through each family's real forward."""
+    AttentionInterface.register("flash_varlen_reference", varlen_reference)
+    doc, doc_tokens = eval_loss(short_docs, "doc", "sdpa", model)
+    packed, packed_tokens = eval_loss(short_docs, "doc-packed", "flash_varlen_reference", model)
+    assert packed_tokens == doc_tokens
+    assert abs(packed - doc) <= 1e-5 * doc
 
 
 # -- order, resume, mixtures, ranks --------------------------------------------------------------

@@ -119,12 +119,13 @@ def pack_plan_of(spec: DataSpec, stream: TokenStream, cls_id: int | None,
                  eval_order: bool) -> packing.PackPlan:
     """The "doc-packed" plan of a split (packing.pack_plan), made once a process: a pure function
     of the documents' lengths, seq_len and the seed (eval: the stored order). A window holds at
-    most max(2, seq_len // 16) documents: that bounds the masked positions of a window."""
+    most packing.window_docs(seq_len) documents: that bounds the masked positions of a
+    window."""
     key = (str(spec.dataset_dir), spec.split, spec.seq_len, None if eval_order else spec.seed)
     if key not in _PLANS:
         lengths = packing.layout_lengths(stream, spec.seq_len, cls_id=cls_id, bert_layout=True)
         _PLANS[key] = packing.pack_plan(lengths, spec.seq_len, seed=key[3],
-                                        max_docs=max(2, spec.seq_len // 16))
+                                        max_docs=packing.window_docs(spec.seq_len))
     return _PLANS[key]
 
 
@@ -379,8 +380,9 @@ class BatchLayout:
     positions with static shapes, where indexing by a boolean mask would sync the host every
     step. CLM: `input_ids` and `labels`. `attention_mask` only with "doc" packing: in "concat"
     every token is attended to, and an all-ones mask costs the model a host sync to find out.
-    "doc-packed": `position_ids` and `document_ids` instead (the model makes its block-diagonal
-    mask from them on the device: app.model.document_attention). "doc" and "doc-packed" add
+    "doc-packed": `position_ids`, `document_ids` and `doc_lengths` instead (the model makes its
+    block-diagonal mask from the ids on the device, app.model.document_attention, or with
+    flash-attention its variable-length call from the lengths, app.model.varlen_kwargs). "doc" and "doc-packed" add
     `tokens`, each sample's real tokens, which the trainer takes out for the telemetry.
     """
 
@@ -398,7 +400,8 @@ class BatchLayout:
         if spec.packing == "doc":
             keys, widths = keys + ("attention_mask",), widths + (seq,)
         elif spec.packing == "doc-packed":
-            keys, widths = keys + ("position_ids", "document_ids"), widths + (seq, seq)
+            keys = keys + ("position_ids", "document_ids", "doc_lengths")
+            widths = widths + (seq, seq, packing.window_docs(seq) + 1)
         if spec.packing in packing.DOC_PACKINGS:  # each sample's real tokens: the telemetry's
             keys, widths = keys + ("tokens",), widths + (1,)
         return cls(keys, widths)

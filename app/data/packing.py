@@ -72,6 +72,12 @@ def doc_sample(stream: TokenStream, index: int, seq_len: int, *, pad_id: int, eo
     return out, length
 
 
+def window_docs(seq_len: int) -> int:
+    """The most documents a "doc-packed" window of seq_len tokens holds (the plan's cap): it
+    bounds a window's masked positions and the width of its `doc_lengths`."""
+    return max(2, seq_len // 16)
+
+
 PLAN_EPOCH = -1
 """The order key of the plan's shuffle: apart from every epoch's order of the windows."""
 
@@ -167,7 +173,10 @@ def place_documents(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, ow
     """Laid-out documents (rows of `ids`/`labels`, the first `lengths[r]` tokens real; row r
     belongs to window `owner[r]`, rows of a window in order) side by side in `windows` windows:
     `input_ids`, `labels`, `position_ids` (restarting at each document), `document_ids` (1, 2,
-    ... by place in the window, 0 on padding) and `tokens` (each window's real tokens)."""
+    ... by place in the window, 0 on padding), `doc_lengths` (each window's documents' lengths in
+    order, then its padding's, then zeros: window_docs(seq_len) + 1 wide, what flash-attention's
+    variable-length kernels take: app.model.varlen_kwargs) and `tokens` (each window's real
+    tokens)."""
     real = np.arange(seq_len) < lengths[:, None]
     rows, cols = np.nonzero(real)  # row-major: each window's documents in order
     window = owner[rows]
@@ -181,6 +190,10 @@ def place_documents(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, ow
     out["labels"][window, at] = labels[rows, cols]
     out["position_ids"][window, at] = cols
     out["document_ids"][window, at] = place[rows] + 1
-    out["tokens"] = np.bincount(owner, weights=lengths, minlength=windows).astype(np.int64) \
-        .reshape(-1, 1)
+    tokens = np.bincount(owner, weights=lengths, minlength=windows).astype(np.int64)
+    out["doc_lengths"] = np.zeros((windows, window_docs(seq_len) + 1), dtype=np.int64)
+    out["doc_lengths"][owner, place] = lengths
+    out["doc_lengths"][np.arange(windows), np.bincount(owner, minlength=windows)] = \
+        seq_len - tokens
+    out["tokens"] = tokens.reshape(-1, 1)
     return out

@@ -2,9 +2,12 @@
 (app/data/packing.py, app.model.document_attention), and real-token accounting in every packing."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from app.data.loader import (DataSpec, MixtureSpec, TokenWindows, build_eval_loa
 from app.data.masking import IGNORE_INDEX
 from app.model import (build_config, build_model, check_packed_attention, document_attention,
                        varlen_kwargs)
+from app.settle import Phase, settle_schedule
 from app.telemetry import figures as telemetry
 from app.trainer import real_tokens, token_sums
 from data_tools.errors import UserError
@@ -342,6 +346,16 @@ def test_a_packed_run_logs_padding_and_stops_at_its_real_tokens(mlm_dataset, tmp
     logged = [r for r in rows if "perf/tokens_per_sec" in r]
     assert [r["step"] for r in logged] == [2, 4, 6, 7]  # ceil(6.5 steps of real tokens)
     assert all(0 <= r["data/padding_pct"] < 25 for r in logged)
+    # real_tokens_seen: the real tokens of the steps' windows exactly; tokens_seen: the windows
+    windows = take(build_train_loader(DataSpec(mlm_dataset, "train", 128, "mlm", "doc-packed",
+                                               seed=5), micro_batch=4, global_batch=4,
+                                      dp_rank=0, dp_size=1, consumed_samples=0,
+                                      num_workers=0), 7)
+    real = np.cumsum([int(b["tokens"].sum()) for b in windows])
+    assert [r["real_tokens_seen"] for r in logged] == [real[s - 1] for s in (2, 4, 6, 7)]
+    assert [r["tokens_seen"] for r in logged] == [s * 4 * 128 for s in (2, 4, 6, 7)]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["real_tokens_seen"] == real[-1]
     assert any("eval/loss" in r for r in rows)
 
 
@@ -359,3 +373,25 @@ def test_a_packed_run_resumes_exactly(mlm_dataset, tmp_path):
     assert sorted(split) == sorted(straight) == list(range(1, 7))
     for step in straight:
         assert split[step] == pytest.approx(straight[step], abs=1e-6), step
+    seen = [{r["step"]: r["real_tokens_seen"] for r in map(json.loads, (tmp_path / d
+                                                                       / "metrics.jsonl")
+                                                           .read_text().splitlines())
+             if "train/loss" in r} for d in ("straight", "split")]
+    assert seen[0] == seen[1] and sorted(seen[0]) == list(range(1, 7))  # carried over exactly
+    assert 0 < seen[0][6] <= 6 * 8 * 128
+
+
+def test_a_phase_spends_the_token_budget_from_the_real_tokens_seen():
+    """--max-tokens after a --seq-len phase: the steps left are the budget minus the
+    checkpoint's real tokens, at this phase's real tokens a step; a checkpoint from before the
+    count takes its window tokens at this phase's real share."""
+    cfg = SimpleNamespace(max_steps=10_000, max_tokens=100_000, seq_len=128, warmup_steps=1,
+                          lr_decay="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
+                          decay_shape="linear")
+    phase = Phase(step=10, tokens_seen=40_960, real_tokens_seen=20_000, old_seq_len=64,
+                  consumed_samples=640, position=320)
+    total, _, _ = settle_schedule(cfg, 8, phase, real_tokens_per_sample=100.0)
+    assert total == 10 + 100  # (100,000 - 20,000) / (8 x 100)
+    old = dataclasses.replace(phase, real_tokens_seen=None)
+    total, _, _ = settle_schedule(cfg, 8, old, real_tokens_per_sample=100.0)
+    assert total == 10 + math.ceil((100_000 - 40_960 * 100 / 128) / 800)

@@ -65,6 +65,9 @@ class Plan:
     """A new run's starting weights (--init-from; None when resuming: the checkpoint has them)."""
     attention: tuple[str, str] = ("sdpa", "")
     """(the attention implementation, why it was chosen): the start-up line and config.json."""
+    attention_span: float | None = None
+    """The tokens a real token attends to, over the mixture's shares (the loader's
+    `attention_span`): MFU's attention FLOPs (app.telemetry.flops)."""
 
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
@@ -104,7 +107,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
                 lr_lambda=lr_lambda,
                 train_samples=tuple(st["num_samples"] for st in stats),
                 eval_sources=eval_sources, resume=resume, switch=switch, init_from=init_from,
-                attention=attention)
+                attention=attention, attention_span=attention_span(sources, stats))
 
 
 def print_data(sources: Sources, stats: list[dict[str, Any]], seq_len: int, gbs: int,
@@ -261,6 +264,14 @@ def real_per_sample(sources: Sources, stats: list[dict[str, Any]]) -> float:
     """The mean real (not padding) tokens of a train sample, over the mixture's shares."""
     shares = sources.mixture.fractions if sources.is_mixture else [1.0]
     return sum(w * st["real_tokens_per_sample"] for w, st in zip(shares, stats))
+
+
+def attention_span(sources: Sources, stats: list[dict[str, Any]]) -> float:
+    """The tokens a real token attends to (dataset_stats' `attention_span`), over the real
+    tokens the mixture's shares draw from each source."""
+    shares = sources.mixture.fractions if sources.is_mixture else [1.0]
+    real = [w * st["real_tokens_per_sample"] for w, st in zip(shares, stats)]
+    return sum(r * st["attention_span"] for r, st in zip(real, stats)) / max(sum(real), 1e-9)
 
 
 def real_seen(phase: Phase, per_sample: float, seq_len: int) -> float:

@@ -23,6 +23,7 @@ from app.model import (build_config, build_model, check_packed_attention, docume
                        varlen_kwargs)
 from app.settle import Phase, settle_schedule
 from app.telemetry import figures as telemetry
+from app.telemetry import flops
 from app.trainer import real_tokens, token_sums
 from data_tools.errors import UserError
 from helpers import check, deepspeed_script, run_app, train_losses
@@ -305,6 +306,21 @@ def test_stats_count_real_tokens_per_sample(short_docs):
     assert packed["num_samples"] * packed["real_tokens_per_sample"] == pytest.approx(
         sum(lengths))
     assert doc["real_tokens_per_sample"] < packed["real_tokens_per_sample"] <= SEQ
+    # the tokens a real token attends to: the window; its document (the same in both layouts)
+    span = float(np.sum(np.square(lengths, dtype=np.float64)) / np.sum(lengths))
+    assert concat["attention_span"] == SEQ
+    assert doc["attention_span"] == pytest.approx(span)
+    assert packed["attention_span"] == pytest.approx(span) and span < 0.75 * SEQ
+
+
+def test_mfu_counts_attention_per_document():
+    shape = flops.ModelShape.from_config(build_config("bert-tiny", vocab_size=500,
+                                                      special_ids={}))
+    window = flops.flops_breakdown(shape, 512, 0.15)
+    docs = flops.flops_breakdown(shape, 512, 0.15, attention_span=128.0)
+    assert docs["attention"] == window["attention"] / 4  # len^2 per document, not S^2
+    assert docs["matmuls"] == window["matmuls"] and docs["head"] == window["head"]
+    assert flops.flops_per_token(shape, 512, 0.15, 128.0) == sum(docs.values())
 
 
 def test_a_batch_hands_over_its_real_tokens(short_docs):

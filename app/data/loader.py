@@ -315,31 +315,37 @@ def dataset_stats(spec: DataSpec, manifest: dict | None = None) -> dict[str, Any
     n = packing.count_samples(tokens, documents, spec.seq_len, spec.packing,
                               dataset_dir=spec.dataset_dir, split=spec.split)
     per_epoch = n * spec.seq_len if spec.packing == "concat" else None
-    n, real = real_tokens_per_sample(spec, manifest, n)
+    n, real, span = real_tokens_per_sample(spec, manifest, n)
     return {"split": spec.split, "objective": spec.objective, "packing": spec.packing,
             "seq_len": spec.seq_len, "shards": len(manifest["splits"][spec.split]["shards"]),
             "documents": documents, "tokens": tokens, "num_samples": n,
             "sample_tokens_per_epoch": per_epoch, "real_tokens_per_sample": real,
+            "attention_span": span,
             "dropped_tail_tokens": tokens - per_epoch if per_epoch is not None else None,
             "vocab_size": int(manifest["vocab_size"])}
 
 
 def real_tokens_per_sample(spec: DataSpec, manifest: dict, num_samples: int
-                           ) -> tuple[int, float]:
-    """(samples, mean real tokens of a sample) of a split: seq_len with "concat"; with "doc"
-    and "doc-packed" the documents' laid-out tokens (read from the shards' index, O(documents))
-    over the samples ("doc-packed": the plan's windows). What --max-tokens counts."""
+                           ) -> tuple[int, float, float]:
+    """(samples, mean real tokens of a sample, attention span) of a split: seq_len and seq_len
+    with "concat"; with "doc" and "doc-packed" the documents' laid-out tokens (read from the
+    shards' index, O(documents)) over the samples ("doc-packed": the plan's windows), what
+    --max-tokens counts; and the tokens a real token attends to on average, sum(len^2) /
+    sum(len) over the laid-out documents (attention stays in a document), what MFU counts of
+    attention (app.telemetry.flops)."""
     if spec.packing == "concat":
-        return num_samples, float(spec.seq_len)
+        return num_samples, float(spec.seq_len), float(spec.seq_len)
     stream = TokenStream(spec.dataset_dir, manifest, spec.split)
     cls = manifest.get("cls_token_id")
     cls = int(cls) if cls is not None else None
     if spec.packing == "doc-packed":
         plan = pack_plan_of(spec, stream, cls, eval_order=False)
-        return plan.windows, plan.real_tokens / plan.windows
+        return (plan.windows, plan.real_tokens / plan.windows,
+                plan.squared_tokens / max(plan.real_tokens, 1))
     lengths = packing.layout_lengths(stream, spec.seq_len, cls_id=cls,
                                      bert_layout=spec.objective == "mlm")
-    return num_samples, float(lengths.mean())
+    span = float(np.square(lengths, dtype=np.float64).sum() / max(int(lengths.sum()), 1))
+    return num_samples, float(lengths.mean()), span
 
 
 class StreamSampler(Sampler[int]):

@@ -114,6 +114,9 @@ class PackPlan:
     starts: np.ndarray
     real_tokens: int
     """The laid-out tokens of every document (the windows' tokens that are not padding)."""
+    squared_tokens: float
+    """The sum of the documents' squared lengths: the query-key pairs of attention confined to
+    each document (app.telemetry.flops, the attention span)."""
     max_docs: int
     """The most documents of one window (MLM's masked-position width depends on it)."""
 
@@ -157,7 +160,9 @@ def pack_plan(lengths: np.ndarray, seq_len: int, *, seed: int | None,
     starts = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=len(count)))])
     documents = order[grouped].astype(np.int32 if n < 2**31 else np.int64)
     return PackPlan(documents=documents, starts=starts.astype(np.int64),
-                    real_tokens=int(lengths.sum()), max_docs=max(count, default=1))
+                    real_tokens=int(lengths.sum()),
+                    squared_tokens=float(np.square(lengths, dtype=np.float64).sum()),
+                    max_docs=max(count, default=1))
 
 
 def _in_chunks(lengths: np.ndarray, order: np.ndarray, chunk: int = 1 << 20):

@@ -411,3 +411,21 @@ def test_a_phase_spends_the_token_budget_from_the_real_tokens_seen():
     old = dataclasses.replace(phase, real_tokens_seen=None)
     total, _, _ = settle_schedule(cfg, 8, old, real_tokens_per_sample=100.0)
     assert total == 10 + math.ceil((100_000 - 40_960 * 100 / 128) / 800)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["roberta-tiny", "modernbert-tiny"])
+def test_roberta_and_modernbert_train_packed(mlm_dataset, tmp_path, model):
+    """`app train --packing doc-packed` with the other encoder families: the start-up accepts
+    them, the loss falls, the counters count real tokens."""
+    run = tmp_path / model
+    check(run_app("train", "--data", mlm_dataset, "--out", run, "--model", model,
+                  "--seq-len", "128", "--micro-batch", "8", "--packing", "doc-packed",
+                  "--max-steps", "16", "--log-every", "4", "--lr", "2e-3", "--seed", "5",
+                  "--eval-every", "0", "--save-every", "0", "--wandb", "disabled"))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == 4 and losses[-1] < 0.9 * losses[0]
+    last = [r for r in rows if "real_tokens_seen" in r][-1]
+    assert 0 < last["real_tokens_seen"] <= last["tokens_seen"] == 16 * 8 * 128
+    assert any("eval/loss" in r for r in rows)

@@ -388,8 +388,9 @@ class BatchLayout:
     every token is attended to, and an all-ones mask costs the model a host sync to find out.
     "doc-packed": `position_ids`, `document_ids` and `doc_lengths` instead (the model makes its
     block-diagonal mask from the ids on the device, app.model.document_attention, or with
-    flash-attention its variable-length call from the lengths, app.model.varlen_kwargs). "doc" and "doc-packed" add
-    `tokens`, each sample's real tokens, which the trainer takes out for the telemetry.
+    flash-attention its variable-length call from the lengths, app.model.varlen_kwargs). "doc"
+    and "doc-packed" add `tokens`, each sample's real tokens, which the trainer takes out for the
+    telemetry.
     """
 
     keys: tuple[str, ...]

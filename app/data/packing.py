@@ -13,8 +13,10 @@
   it out, placed side by side in windows of seq_len tokens without being cut (ModernBERT's and
   Krell et al.'s packing). A window is a sample: the order, mixtures, ranks and resume treat it
   like any other. Attention stays inside each document (the loader hands over per-token document
-  ids, the model turns them into a block-diagonal mask: app.model.document_attention) and
-  position ids restart at each document, so each document's math is that of "doc". Which
+  ids, which the model turns into a block-diagonal mask, app.model.document_attention, and each
+  window's document lengths, from which flash-attention's variable-length call is summed,
+  app.model.varlen_kwargs) and position ids restart at each document, so each document's math
+  is that of "doc". Which
   documents share a window is the plan (`PackPlan`): best fit over a keyed shuffle of the
   documents, computed once per split in O(documents), two int arrays.
 

@@ -241,7 +241,8 @@ def run_shape(plan: Plan, engine) -> telemetry.RunShape:
     """What telemetry needs to turn times into throughput and MFU (docs: app/telemetry/flops.py)."""
     cfg = plan.cfg
     per_token = flops_per_token(ModelShape.from_config(plan.model_config), cfg.seq_len,
-                                head_fraction(plan.objective, cfg.mask_prob))
+                                head_fraction(plan.objective, cfg.mask_prob),
+                                attention_span=plan.attention_span)
     peak = telemetry.peak_tflops(plan.device.model, plan.precision, tf32=cfg.tf32,
                                  override=cfg.peak_tflops)
     return telemetry.RunShape(global_batch=engine.train_batch_size(), seq_len=cfg.seq_len,

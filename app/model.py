@@ -269,10 +269,9 @@ class SparseHead:
     """
 
     def forward(self, input_ids=None, attention_mask=None, mlm_positions=None, mlm_labels=None,
-                document_ids=None, **kwargs):
+                document_ids=None, doc_lengths=None, **kwargs):
         if document_ids is not None:
-            attention_mask = document_attention(document_ids, self.config._attn_implementation,
-                                                self.dtype)
+            attention_mask = self.packed_inputs(document_ids, doc_lengths, kwargs)
         if mlm_positions is None:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = self.sparse_encoder(input_ids=input_ids, attention_mask=attention_mask,
@@ -285,6 +284,30 @@ class SparseHead:
                                ignore_index=IGNORE_INDEX, reduction="sum") \
             / (flat != IGNORE_INDEX).sum().clamp(min=1)
         return MaskedLMOutput(loss=loss, logits=logits)
+
+    def packed_inputs(self, document_ids: torch.Tensor, doc_lengths: torch.Tensor | None,
+                      kwargs: dict[str, Any]) -> Any:
+        """--packing doc-packed: the attention mask that confines each token to its document
+        (None with flash-attention, which gets the documents' cumulative lengths in `kwargs`
+        instead: varlen_kwargs), and the family's position ids (`packed_positions`) in
+        `kwargs`."""
+        implementation = self.config._attn_implementation
+        if "position_ids" in kwargs:
+            kwargs["position_ids"] = self.packed_positions(kwargs["position_ids"])
+        if implementation.startswith("flash"):
+            if doc_lengths is None:
+                raise UserError(f"--attn {implementation}: --packing doc-packed needs the "
+                                f"documents' lengths (`doc_lengths`) from the loader")
+            kwargs.update(varlen_kwargs(doc_lengths, document_ids.shape[1]))
+            return None
+        return self.document_mask(document_ids, implementation)
+
+    def packed_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Position ids restarting at each document, as the family numbers a sample's."""
+        return position_ids
+
+    def document_mask(self, document_ids: torch.Tensor, implementation: str) -> Any:
+        return document_attention(document_ids, implementation, self.dtype)
 
 
 class SparseHeadBertForMaskedLM(SparseHead, BertForMaskedLM):
@@ -306,6 +329,11 @@ class SparseHeadRobertaForMaskedLM(SparseHead, RobertaForMaskedLM):
     def sparse_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def packed_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """RoBERTa numbers a sample's tokens from the padding id + 1 (RobertaEmbeddings'
+        `create_position_ids_from_input_ids`): so does each packed document."""
+        return position_ids + (self.config.pad_token_id + 1)
+
 
 class SparseHeadModernBertForMaskedLM(SparseHead, ModernBertForMaskedLM):
     """ModernBertForMaskedLM with the sparse head (SparseHead)."""
@@ -315,6 +343,17 @@ class SparseHeadModernBertForMaskedLM(SparseHead, ModernBertForMaskedLM):
 
     def sparse_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.head(hidden))
+
+    def document_mask(self, document_ids: torch.Tensor, implementation: str) -> Any:
+        """One mask per layer type (ModernBertModel takes the mapping as it is): the global
+        layers see the whole document, the local ones the document within the sliding window,
+        |i - j| <= config.sliding_window, as create_bidirectional_sliding_window_mask has it in
+        a sample of "doc" (a document's tokens are as far apart in its window as in its
+        sample)."""
+        return {"full_attention": document_attention(document_ids, implementation, self.dtype),
+                "sliding_attention": document_attention(document_ids, implementation,
+                                                        self.dtype,
+                                                        window=self.config.sliding_window)}
 
 
 # The sparse-head class of each MLM family this app trains (app.model.build_model)
@@ -412,38 +451,56 @@ class CausalLossGPT2LMHeadModel(GPT2LMHeadModel):
             loss=self.lm_head(hidden, labels, num_items_in_batch))
 
 
-PACKED_MODEL_TYPES = ("bert",)
-"""Models whose training forward takes `document_ids` and `position_ids` (--packing doc-packed)."""
+PACKED_MODEL_TYPES = ("bert", "roberta", "modernbert")
+"""Models whose training forward takes `document_ids`, `position_ids` and `doc_lengths`
+(--packing doc-packed: SparseHead.packed_inputs)."""
 
 
 def check_packed_attention(config: PretrainedConfig) -> None:
-    """Refuse --packing doc-packed with a model or attention that cannot confine attention to
-    each document (one line, at start-up rather than at the first step)."""
+    """Refuse --packing doc-packed with a model that cannot confine attention to each document
+    (one line, at start-up rather than at the first step). Every attention of --attn can: SDPA
+    and eager with a block-diagonal mask, flash-attention with its variable-length kernels."""
     if config.model_type not in PACKED_MODEL_TYPES:
         raise UserError(f"--packing doc-packed: not supported for {config.model_type} models "
                         f"(supported: {', '.join(PACKED_MODEL_TYPES)}); use --packing doc")
-    if config._attn_implementation.startswith("flash"):
-        raise UserError(f"--attn {config._attn_implementation}: --packing doc-packed needs a "
-                        f"mask (use --attn sdpa or eager)")
 
 
-def document_attention(document_ids: torch.Tensor, implementation: str,
-                       dtype: torch.dtype) -> torch.Tensor:
+def document_attention(document_ids: torch.Tensor, implementation: str, dtype: torch.dtype,
+                       window: int | None = None) -> torch.Tensor:
     """The block-diagonal attention of packed documents ("doc-packed", app.data.packing): token i
-    attends to token j when both belong to the same document. `document_ids` [batch, seq] numbers
-    each window's documents from 1 (0: padding, which attends only to padding, so no row of the
+    attends to token j when both belong to the same document (and, with `window`, when
+    |i - j| <= window: a sliding-window layer). `document_ids` [batch, seq] numbers each
+    window's documents from 1 (0: padding, which attends only to padding, so no row of the
     softmax is empty). A [batch, 1, seq, seq] mask, built on the device from the loader's ids (no
     host sync), that transformers passes to every layer as it is: boolean for SDPA (True =
     attend), additive for eager attention."""
     if implementation.startswith("flash"):
-        raise UserError(f"--attn {implementation}: --packing doc-packed needs a mask (use --attn "
-                        f"sdpa or eager)")
-    same = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
-    mask = same.unsqueeze(1)
+        raise UserError(f"--attn {implementation}: flash-attention takes the documents' lengths "
+                        f"(varlen_kwargs), not a mask")
+    mask = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
+    if window is not None:
+        at = torch.arange(document_ids.shape[1], device=document_ids.device)
+        mask = mask & ((at.unsqueeze(-1) - at.unsqueeze(0)).abs() <= window)
+    mask = mask.unsqueeze(1)
     if implementation == "sdpa":
         return mask
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
         ~mask, torch.finfo(dtype).min)
+
+
+def varlen_kwargs(doc_lengths: torch.Tensor, seq_len: int) -> dict[str, Any]:
+    """flash-attention's variable-length call for packed windows (transformers'
+    `_flash_attention_forward` takes it when the mask is None: the batch flattened to
+    [batch x seq] tokens, one sequence per document). `doc_lengths` [batch, slots]: each
+    window's documents' lengths, then its padding's, then zeros (app.data.packing
+    .place_documents); their running sum over the flattened batch is `cu_seq_lens` (int32, on
+    the device: no host sync; a zero length is an empty sequence, which the kernel skips). The
+    longest sequence is at most seq_len, a Python int as the kernel's grid needs: an upper bound
+    costs only empty blocks."""
+    ends = doc_lengths.reshape(-1).cumsum(0)
+    cu = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": seq_len,
+            "max_length_k": seq_len}
 
 
 def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = False,

@@ -65,6 +65,9 @@ class Plan:
     """A new run's starting weights (--init-from; None when resuming: the checkpoint has them)."""
     attention: tuple[str, str] = ("sdpa", "")
     """(the attention implementation, why it was chosen): the start-up line and config.json."""
+    attention_span: float | None = None
+    """The tokens a real token attends to, over the mixture's shares (the loader's
+    `attention_span`): MFU's attention FLOPs (app.telemetry.flops)."""
 
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
@@ -104,7 +107,7 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
                 lr_lambda=lr_lambda,
                 train_samples=tuple(st["num_samples"] for st in stats),
                 eval_sources=eval_sources, resume=resume, switch=switch, init_from=init_from,
-                attention=attention)
+                attention=attention, attention_span=attention_span(sources, stats))
 
 
 def print_data(sources: Sources, stats: list[dict[str, Any]], seq_len: int, gbs: int,
@@ -206,6 +209,9 @@ class Phase:
 
     step: int
     tokens_seen: int
+    real_tokens_seen: int | None
+    """The checkpoint's (TrainState.real_tokens_seen): what --max-tokens has used up (None in
+    a checkpoint from before the counter)."""
     old_seq_len: int
     consumed_samples: int
     """The checkpoint's stream position, in samples of `old_seq_len` tokens."""
@@ -226,7 +232,9 @@ def settle_phase(cfg: TrainConfig, resume: tuple[Path, str] | None, global_batch
     consumed = int(state["consumed_samples"])
     position = phase_position(consumed, old_seq_len=old, new_seq_len=cfg.seq_len,
                               packing=cfg.packing, global_batch=global_batch)
-    phase = Phase(int(state["step"]), int(state["tokens_seen"]), old, consumed, position)
+    real = state.get("real_tokens_seen")
+    phase = Phase(int(state["step"]), int(state["tokens_seen"]),
+                  None if real is None else int(real), old, consumed, position)
     if is_main:
         print(phase_line(phase, cfg, global_batch, stats), file=sys.stderr)
     return phase
@@ -258,19 +266,36 @@ def real_per_sample(sources: Sources, stats: list[dict[str, Any]]) -> float:
     return sum(w * st["real_tokens_per_sample"] for w, st in zip(shares, stats))
 
 
+def attention_span(sources: Sources, stats: list[dict[str, Any]]) -> float:
+    """The tokens a real token attends to (dataset_stats' `attention_span`), over the real
+    tokens the mixture's shares draw from each source."""
+    shares = sources.mixture.fractions if sources.is_mixture else [1.0]
+    real = [w * st["real_tokens_per_sample"] for w, st in zip(shares, stats)]
+    return sum(r * st["attention_span"] for r, st in zip(real, stats)) / max(sum(real), 1e-9)
+
+
+def real_seen(phase: Phase, per_sample: float, seq_len: int) -> float:
+    """The real tokens a phase's checkpoint had trained on; from a checkpoint without the count,
+    its window tokens at this phase's real share."""
+    if phase.real_tokens_seen is not None:
+        return phase.real_tokens_seen
+    return phase.tokens_seen * per_sample / seq_len
+
+
 def settle_schedule(cfg: TrainConfig, global_batch: int, phase: Phase | None = None,
                     real_tokens_per_sample: float | None = None) -> tuple[int, int, Callable]:
     """(total steps, warmup steps, LR schedule): --max-steps, capped by --max-tokens, in real
     tokens (a sample holds `real_tokens_per_sample` on average, seq_len without padding); after
-    a sequence-length phase: the steps done, then the tokens left at this phase's tokens a step
-    (tokens seen so far taken at this phase's real share)."""
+    a sequence-length phase: the steps done, then the tokens left (the budget minus the real
+    tokens seen) at this phase's real tokens a step."""
     total_steps = cfg.max_steps
     per_sample = real_tokens_per_sample or cfg.seq_len
     if cfg.max_tokens is not None:
         per_step = global_batch * per_sample
-        seen = 0 if phase is None else phase.tokens_seen * per_sample / cfg.seq_len
         total_steps = min(total_steps, math.ceil(cfg.max_tokens / per_step) if phase is None
-                          else phase.step + math.ceil(max(cfg.max_tokens - seen, 0) / per_step))
+                          else phase.step + math.ceil(
+                              max(cfg.max_tokens - real_seen(phase, per_sample, cfg.seq_len), 0)
+                              / per_step))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total_steps // 20)
     return total_steps, warmup, schedule_fn(warmup_steps=warmup, total_steps=total_steps,
                                             decay=cfg.lr_decay, min_lr_ratio=cfg.min_lr_ratio,

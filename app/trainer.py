@@ -113,6 +113,7 @@ class Trainer:
         self.train_seconds = 0.0
         self.session_steps = 0
         self.session_real_tokens = 0.0  # over the logged windows, all ranks
+        self._real_pending = 0  # this rank's, since the last check point (real_tokens_seen)
         self._last_save = state.step if state.step else None
 
     # -- the loop -------------------------------------------------------------------------------
@@ -156,7 +157,9 @@ class Trainer:
             beat("waiting for data")
             with self.window.waiting_for_data():
                 batch = next(self.batches)
-            self._real_tokens += real_tokens(batch, self.seq_len)
+            real = real_tokens(batch, self.seq_len)
+            self._real_tokens += real
+            self._real_pending += real
             beat("in forward/backward (and the gradient all-reduce)")
             with self.window.forward():
                 loss = self.engine(**to_device(batch, self.device)).loss
@@ -193,16 +196,27 @@ class Trainer:
         in one copy, and the all-gather carries them with the host figures."""
         monitor = self.guards.recovery.monitor
         if not figures:
-            return gather_rows(list(monitor.judge(monitor.pending().tolist())), self.device)
-        wall = self.window.elapsed()  # syncs the device first
-        norm = (self._grad_norm if self._grad_norm is not None
-                else torch.tensor(math.nan, device=self.device))
-        *losses, loss_sum, norm = torch.cat([monitor.pending(), self._loss_sum.double().view(1),
-                                             norm.double().view(1)]).tolist()
-        return gather_rows([*monitor.judge(losses), loss_sum, float(self._micro_steps), norm,
-                            wall, self.window.data_wait, self.window.forward_seconds(),
-                            *memory_gb(), self._state_bytes / 2**30, float(self._real_tokens)],
-                           self.device)
+            row = list(monitor.judge(monitor.pending().tolist()))
+        else:
+            wall = self.window.elapsed()  # syncs the device first
+            norm = (self._grad_norm if self._grad_norm is not None
+                    else torch.tensor(math.nan, device=self.device))
+            *losses, loss_sum, norm = torch.cat([monitor.pending(),
+                                                 self._loss_sum.double().view(1),
+                                                 norm.double().view(1)]).tolist()
+            row = [*monitor.judge(losses), loss_sum, float(self._micro_steps), norm, wall,
+                   self.window.data_wait, self.window.forward_seconds(), *memory_gb(),
+                   self._state_bytes / 2**30, float(self._real_tokens)]
+        rows = gather_rows([*row, float(self._real_pending)], self.device)
+        return self._count_real_tokens(rows)
+
+    def _count_real_tokens(self, rows: list[list[float]]) -> list[list[float]]:
+        """Every rank's real tokens since the last check point (the rows' last column, taken
+        off) into the state's real_tokens_seen: the same sum on every rank, saved with the
+        state; a rollback then loads the checkpoint's."""
+        self.state.real_tokens_seen += int(sum(r.pop() for r in rows))
+        self._real_pending = 0
+        return rows
 
     def rewind(self, tag: str) -> None:
         """The engine, the train state (its cool-down too) and the RNG from checkpoint `tag`:
@@ -227,7 +241,7 @@ class Trainer:
         wall = mine[FIGURES]
         norm = mine[GRAD_NORM] if self._grad_norm is not None else reported_grad_norm(self.engine)
         record = {"step": s.step, "consumed_samples": s.consumed_samples,
-                  "tokens_seen": s.tokens_seen,
+                  "tokens_seen": s.tokens_seen, "real_tokens_seen": s.real_tokens_seen,
                   "train/loss": (sum(r[LOSS_SUM] for r in rows)
                                  / max(sum(r[MICRO_STEPS] for r in rows), 1)),
                   "train/lr": self._lr, "train/grad_norm": norm,
@@ -302,7 +316,8 @@ class Trainer:
         s = self.state
         trained_tokens = self.session_real_tokens
         return {"steps": s.step, "consumed_samples": s.consumed_samples,
-                "tokens_seen": s.tokens_seen, "session_steps": self.session_steps,
+                "tokens_seen": s.tokens_seen, "real_tokens_seen": s.real_tokens_seen,
+                "session_steps": self.session_steps,
                 "train_seconds": round(self.train_seconds, 3),
                 "tokens_per_sec": trained_tokens / max(self.train_seconds, 1e-9),
                 "samples_per_sec": self.session_steps * self.global_batch

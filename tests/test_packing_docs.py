@@ -2,20 +2,28 @@
 (app/data/packing.py, app.model.document_attention), and real-token accounting in every packing."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
 
 from app.data import packing
 from app.data.loader import (DataSpec, MixtureSpec, TokenWindows, build_eval_loader,
                              build_train_loader, dataset_stats)
 from app.data.masking import IGNORE_INDEX
-from app.model import build_config, build_model, check_packed_attention, document_attention
+from app.model import (build_config, build_model, check_packed_attention, document_attention,
+                       varlen_kwargs)
+from app.settle import Phase, settle_schedule
 from app.telemetry import figures as telemetry
+from app.telemetry import flops
 from app.trainer import real_tokens, token_sums
 from data_tools.errors import UserError
 from helpers import check, deepspeed_script, run_app, train_losses
@@ -59,7 +67,7 @@ def test_each_document_is_laid_out_as_doc_lays_it_out(short_docs):
     for w in range(plan.windows):
         batch = packed._packed_batch(np.array([w]), np.array([w]))  # window w itself
         ids, pos, did = unmasked(batch)[0], batch["position_ids"][0], batch["document_ids"][0]
-        at = 0
+        at, sizes = 0, []
         for place, d in enumerate(plan.window(w).tolist(), start=1):
             want, length = packing.doc_sample(doc.stream, d, SEQ, pad_id=PAD, eod_id=SEP,
                                               cls_id=CLS, bert_layout=True)
@@ -68,7 +76,11 @@ def test_each_document_is_laid_out_as_doc_lays_it_out(short_docs):
             assert pos[at:at + length].tolist() == list(range(length))
             assert (did[at:at + length] == place).all()
             at += length
+            sizes.append(length)
         assert batch["tokens"][0, 0] == at <= SEQ
+        slots = packing.window_docs(SEQ) + 1  # the documents, the padding, then empty ones
+        assert batch["doc_lengths"][0].tolist() == sizes + [SEQ - at] + [0] * (slots - 1 -
+                                                                               len(sizes))
         assert (did[at:] == 0).all() and (ids[at:] == PAD).all()
         assert (batch["labels"][0, at:] == IGNORE_INDEX).all()  # padding: no loss
         seen += at
@@ -110,11 +122,25 @@ def test_decoders_are_refused(short_docs):
 
 # -- the math per document ---------------------------------------------------------------------
 
-def eval_loss(root: Path, mode: str, attn: str) -> tuple[float, float]:
-    """(eval loss, predicted tokens) of one fixed bert-tiny over the whole val split."""
-    config = build_config("bert-tiny", vocab_size=500, attn_implementation=attn,
-                          special_ids={"pad_token_id": PAD, "cls_token_id": None})
+# ModernBERT with a 16-token window (8 each side) in its local layers: windows of 64 tokens hold
+# documents longer than it, so the sliding window and the documents both cut the attention (a
+# larger init than its own, or the window would hardly move the loss).
+MODELS = {"bert-tiny": {}, "roberta-tiny": {},
+          "modernbert-tiny": {"local_attention": 16, "initializer_range": 0.2}}
+
+
+# transformers builds a model whose attention is named flash* only with a flash kernel at hand:
+# the reference is built as SDPA, then named (the name is looked up at each forward)
+BUILT_AS = {"flash_varlen_reference": "sdpa"}
+
+
+def eval_loss(root: Path, mode: str, attn: str, model: str = "bert-tiny") -> tuple[float, float]:
+    """(eval loss, predicted tokens) of one fixed model over the whole val split."""
+    config = build_config(model, vocab_size=500, attn_implementation=BUILT_AS.get(attn, attn),
+                          special_ids={"pad_token_id": PAD, "cls_token_id": CLS,
+                                       "sep_token_id": SEP}, overrides=MODELS[model])
     model = build_model(config, seed=0, for_training=True).eval()
+    model.config._attn_implementation = attn  # read by every layer at each forward
     loader = build_eval_loader(spec(root, mode, split="val"), micro_batch=3, dp_rank=0,
                                dp_size=1, max_samples=None, num_workers=0)
     sums = torch.zeros(3, dtype=torch.float64)
@@ -125,10 +151,11 @@ def eval_loss(root: Path, mode: str, attn: str) -> tuple[float, float]:
     return float(sums[0] / sums[1]), float(sums[1])
 
 
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_eval_loss_of_packed_documents_equals_doc(short_docs, attn):
-    doc, doc_tokens = eval_loss(short_docs, "doc", attn)
-    packed, packed_tokens = eval_loss(short_docs, "doc-packed", attn)
+def test_eval_loss_of_packed_documents_equals_doc(short_docs, attn, model):
+    doc, doc_tokens = eval_loss(short_docs, "doc", attn, model)
+    packed, packed_tokens = eval_loss(short_docs, "doc-packed", attn, model)
     assert packed_tokens == doc_tokens  # the same masked tokens of the same documents
     assert abs(packed - doc) <= 1e-5 * doc
 
@@ -141,19 +168,66 @@ def test_document_attention_is_block_diagonal():
     assert mask[5].tolist() == [False] * 5 + [True]  # padding: no empty softmax row
     additive = document_attention(ids, "eager", torch.float32)[0, 0]
     assert additive[0, 1] == 0 and additive[0, 2] == torch.finfo(torch.float32).min
-    with pytest.raises(UserError, match="needs a mask"):
+    with pytest.raises(UserError, match="not a mask"):
         document_attention(ids, "flash_attention_2", torch.bfloat16)
+    local = document_attention(torch.tensor([[1] * 5 + [2]]), "sdpa", torch.float32, window=2)
+    assert local[0, 0, 0].tolist() == [True] * 3 + [False] * 3  # |i - j| <= 2, same document
+    assert local[0, 0, 4].tolist() == [False, False, True, True, True, False]
 
 
 def test_models_without_the_plumbing_are_refused_at_start_up():
-    bert = build_config("bert-tiny", vocab_size=500, special_ids={},
-                        attn_implementation="flash_attention_2")
-    with pytest.raises(UserError, match="needs a mask"):
-        check_packed_attention(bert)
     gpt = build_config("gpt-tiny", vocab_size=500, special_ids={})
     with pytest.raises(UserError, match="not supported for gpt2 models"):
         check_packed_attention(gpt)
-    check_packed_attention(build_config("bert-tiny", vocab_size=500, special_ids={}))
+    for name in MODELS:
+        for attn in ("sdpa", "eager", "flash_attention_2"):
+            check_packed_attention(build_config(name, vocab_size=500, special_ids={},
+                                                attn_implementation=attn))
+
+
+def test_varlen_lengths_cover_each_window():
+    """flash-attention's cumulative lengths: each document, then the window's padding, as one
+    sequence of the flattened batch; zero lengths (empty sequences) fill the width."""
+    lengths = torch.tensor([[3, 2, 1, 0], [4, 2, 0, 0]])
+    got = varlen_kwargs(lengths, 6)
+    assert got["cu_seq_lens_q"].dtype == torch.int32 and got["cu_seq_lens_k"] is got[
+        "cu_seq_lens_q"]
+    assert got["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 6, 10, 12, 12, 12]
+    assert got["max_length_q"] == got["max_length_k"] == 6
+
+
+def varlen_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     sliding_window=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                     max_length_q=None, max_length_k=None, **kwargs):
+    """flash-attention's variable-length call as transformers makes it (the batch flattened, one
+    sequence per segment of `cu_seq_lens`, flash's window of sliding_window - 1 each side), in
+    plain SDPA: what `--attn flash_attention_2` computes, on a CPU."""
+    assert attention_mask is None and cu_seq_lens_q is cu_seq_lens_k
+    b, h, s, d = query.shape
+    assert max_length_q == max_length_k == s and cu_seq_lens_q[-1] == b * s
+    q, k, v = (x.transpose(1, 2).reshape(b * s, h, d) for x in (query, key, value))
+    out = torch.zeros_like(q)
+    bounds = cu_seq_lens_q.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        at = torch.arange(end - start)
+        mask = (None if sliding_window is None
+                else (at[:, None] - at[None]).abs() <= sliding_window - 1)
+        if end > start:
+            out[start:end] = F.scaled_dot_product_attention(
+                *(x[start:end].transpose(0, 1) for x in (q, k, v)), attn_mask=mask,
+                scale=scaling).transpose(0, 1)
+    return out.view(b, s, h, d), None
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_the_varlen_call_of_flash_attention_gives_doc_s_loss(short_docs, model):
+    """The flash path (SparseHead.packed_inputs with an attention named flash*: no mask, the
+    lengths as kwargs down to every layer's attention) through each family's real forward."""
+    AttentionInterface.register("flash_varlen_reference", varlen_reference)
+    doc, doc_tokens = eval_loss(short_docs, "doc", "sdpa", model)
+    packed, packed_tokens = eval_loss(short_docs, "doc-packed", "flash_varlen_reference", model)
+    assert packed_tokens == doc_tokens
+    assert abs(packed - doc) <= 1e-5 * doc
 
 
 # -- order, resume, mixtures, ranks --------------------------------------------------------------
@@ -232,6 +306,21 @@ def test_stats_count_real_tokens_per_sample(short_docs):
     assert packed["num_samples"] * packed["real_tokens_per_sample"] == pytest.approx(
         sum(lengths))
     assert doc["real_tokens_per_sample"] < packed["real_tokens_per_sample"] <= SEQ
+    # the tokens a real token attends to: the window; its document (the same in both layouts)
+    span = float(np.sum(np.square(lengths, dtype=np.float64)) / np.sum(lengths))
+    assert concat["attention_span"] == SEQ
+    assert doc["attention_span"] == pytest.approx(span)
+    assert packed["attention_span"] == pytest.approx(span) and span < 0.75 * SEQ
+
+
+def test_mfu_counts_attention_per_document():
+    shape = flops.ModelShape.from_config(build_config("bert-tiny", vocab_size=500,
+                                                      special_ids={}))
+    window = flops.flops_breakdown(shape, 512, 0.15)
+    docs = flops.flops_breakdown(shape, 512, 0.15, attention_span=128.0)
+    assert docs["attention"] == window["attention"] / 4  # len^2 per document, not S^2
+    assert docs["matmuls"] == window["matmuls"] and docs["head"] == window["head"]
+    assert flops.flops_per_token(shape, 512, 0.15, 128.0) == sum(docs.values())
 
 
 def test_a_batch_hands_over_its_real_tokens(short_docs):
@@ -273,6 +362,16 @@ def test_a_packed_run_logs_padding_and_stops_at_its_real_tokens(mlm_dataset, tmp
     logged = [r for r in rows if "perf/tokens_per_sec" in r]
     assert [r["step"] for r in logged] == [2, 4, 6, 7]  # ceil(6.5 steps of real tokens)
     assert all(0 <= r["data/padding_pct"] < 25 for r in logged)
+    # real_tokens_seen: the real tokens of the steps' windows exactly; tokens_seen: the windows
+    windows = take(build_train_loader(DataSpec(mlm_dataset, "train", 128, "mlm", "doc-packed",
+                                               seed=5), micro_batch=4, global_batch=4,
+                                      dp_rank=0, dp_size=1, consumed_samples=0,
+                                      num_workers=0), 7)
+    real = np.cumsum([int(b["tokens"].sum()) for b in windows])
+    assert [r["real_tokens_seen"] for r in logged] == [real[s - 1] for s in (2, 4, 6, 7)]
+    assert [r["tokens_seen"] for r in logged] == [s * 4 * 128 for s in (2, 4, 6, 7)]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["real_tokens_seen"] == real[-1]
     assert any("eval/loss" in r for r in rows)
 
 
@@ -290,3 +389,43 @@ def test_a_packed_run_resumes_exactly(mlm_dataset, tmp_path):
     assert sorted(split) == sorted(straight) == list(range(1, 7))
     for step in straight:
         assert split[step] == pytest.approx(straight[step], abs=1e-6), step
+    seen = [{r["step"]: r["real_tokens_seen"] for r in map(json.loads, (tmp_path / d
+                                                                       / "metrics.jsonl")
+                                                           .read_text().splitlines())
+             if "train/loss" in r} for d in ("straight", "split")]
+    assert seen[0] == seen[1] and sorted(seen[0]) == list(range(1, 7))  # carried over exactly
+    assert 0 < seen[0][6] <= 6 * 8 * 128
+
+
+def test_a_phase_spends_the_token_budget_from_the_real_tokens_seen():
+    """--max-tokens after a --seq-len phase: the steps left are the budget minus the
+    checkpoint's real tokens, at this phase's real tokens a step; a checkpoint from before the
+    count takes its window tokens at this phase's real share."""
+    cfg = SimpleNamespace(max_steps=10_000, max_tokens=100_000, seq_len=128, warmup_steps=1,
+                          lr_decay="cosine", min_lr_ratio=0.1, decay_fraction=0.2,
+                          decay_shape="linear")
+    phase = Phase(step=10, tokens_seen=40_960, real_tokens_seen=20_000, old_seq_len=64,
+                  consumed_samples=640, position=320)
+    total, _, _ = settle_schedule(cfg, 8, phase, real_tokens_per_sample=100.0)
+    assert total == 10 + 100  # (100,000 - 20,000) / (8 x 100)
+    old = dataclasses.replace(phase, real_tokens_seen=None)
+    total, _, _ = settle_schedule(cfg, 8, old, real_tokens_per_sample=100.0)
+    assert total == 10 + math.ceil((100_000 - 40_960 * 100 / 128) / 800)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["roberta-tiny", "modernbert-tiny"])
+def test_roberta_and_modernbert_train_packed(mlm_dataset, tmp_path, model):
+    """`app train --packing doc-packed` with the other encoder families: the start-up accepts
+    them, the loss falls, the counters count real tokens."""
+    run = tmp_path / model
+    check(run_app("train", "--data", mlm_dataset, "--out", run, "--model", model,
+                  "--seq-len", "128", "--micro-batch", "8", "--packing", "doc-packed",
+                  "--max-steps", "16", "--log-every", "4", "--lr", "2e-3", "--seed", "5",
+                  "--eval-every", "0", "--save-every", "0", "--wandb", "disabled"))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(losses) == 4 and losses[-1] < 0.9 * losses[0]
+    last = [r for r in rows if "real_tokens_seen" in r][-1]
+    assert 0 < last["real_tokens_seen"] <= last["tokens_seen"] == 16 * 8 * 128
+    assert any("eval/loss" in r for r in rows)

@@ -16,7 +16,8 @@ from app.faults.anomaly import Cooldown
 from app.data.order import skip_ahead
 from data_tools.schema import NonNegativeInt, PositiveInt, Schema
 
-COUNTERS = ("step", "consumed_samples", "tokens_seen", "best_eval_loss", "phase_step")
+COUNTERS = ("step", "consumed_samples", "tokens_seen", "real_tokens_seen", "best_eval_loss",
+            "phase_step")
 
 
 @dataclass
@@ -26,6 +27,12 @@ class TrainState:
     consumed_samples: int = 0
     """Global samples trained on: where the loader restarts (the whole data state)."""
     tokens_seen: int = 0
+    """Window tokens trained on, padding included (global batch x seq_len a step): the stream's
+    measure, which the phase arithmetic uses."""
+    real_tokens_seen: int = 0
+    """Real (not padding) tokens trained on, all ranks: the loader's count, added at each check
+    point (app.trainer.Trainer.gather; exact, with no sync of its own). Equal to tokens_seen
+    with --packing concat."""
     best_eval_loss: float | None = None
     phase_step: int = 0
     """The step the run's sequence-length phase began after (0: the first phase): the global
@@ -46,6 +53,8 @@ class TrainState:
         when the run changed --seq-len since (a sequence-length phase: `phase_position`)."""
         self.step, self.consumed_samples, self.tokens_seen = (
             int(state[k]) for k in ("step", "consumed_samples", "tokens_seen"))
+        # a checkpoint from before the counter: its window tokens (exact with concat)
+        self.real_tokens_seen = int(state.get("real_tokens_seen", self.tokens_seen))
         self.best_eval_loss = state.get("best_eval_loss")
         self.phase_step = int(state.get("phase_step") or 0)
         saved, now = state.get("run_config") or {}, self.facts.get("run_config") or {}
@@ -97,6 +106,7 @@ class TrainStateFile(Schema):
     step: NonNegativeInt
     consumed_samples: NonNegativeInt
     tokens_seen: NonNegativeInt
+    real_tokens_seen: NonNegativeInt | None = None
     best_eval_loss: float | None = None
     phase_step: NonNegativeInt = 0
     world_size: PositiveInt

@@ -119,12 +119,13 @@ def pack_plan_of(spec: DataSpec, stream: TokenStream, cls_id: int | None,
                  eval_order: bool) -> packing.PackPlan:
     """The "doc-packed" plan of a split (packing.pack_plan), made once a process: a pure function
     of the documents' lengths, seq_len and the seed (eval: the stored order). A window holds at
-    most max(2, seq_len // 16) documents: that bounds the masked positions of a window."""
+    most packing.window_docs(seq_len) documents: that bounds the masked positions of a
+    window."""
     key = (str(spec.dataset_dir), spec.split, spec.seq_len, None if eval_order else spec.seed)
     if key not in _PLANS:
         lengths = packing.layout_lengths(stream, spec.seq_len, cls_id=cls_id, bert_layout=True)
         _PLANS[key] = packing.pack_plan(lengths, spec.seq_len, seed=key[3],
-                                        max_docs=max(2, spec.seq_len // 16))
+                                        max_docs=packing.window_docs(spec.seq_len))
     return _PLANS[key]
 
 
@@ -314,31 +315,37 @@ def dataset_stats(spec: DataSpec, manifest: dict | None = None) -> dict[str, Any
     n = packing.count_samples(tokens, documents, spec.seq_len, spec.packing,
                               dataset_dir=spec.dataset_dir, split=spec.split)
     per_epoch = n * spec.seq_len if spec.packing == "concat" else None
-    n, real = real_tokens_per_sample(spec, manifest, n)
+    n, real, span = real_tokens_per_sample(spec, manifest, n)
     return {"split": spec.split, "objective": spec.objective, "packing": spec.packing,
             "seq_len": spec.seq_len, "shards": len(manifest["splits"][spec.split]["shards"]),
             "documents": documents, "tokens": tokens, "num_samples": n,
             "sample_tokens_per_epoch": per_epoch, "real_tokens_per_sample": real,
+            "attention_span": span,
             "dropped_tail_tokens": tokens - per_epoch if per_epoch is not None else None,
             "vocab_size": int(manifest["vocab_size"])}
 
 
 def real_tokens_per_sample(spec: DataSpec, manifest: dict, num_samples: int
-                           ) -> tuple[int, float]:
-    """(samples, mean real tokens of a sample) of a split: seq_len with "concat"; with "doc"
-    and "doc-packed" the documents' laid-out tokens (read from the shards' index, O(documents))
-    over the samples ("doc-packed": the plan's windows). What --max-tokens counts."""
+                           ) -> tuple[int, float, float]:
+    """(samples, mean real tokens of a sample, attention span) of a split: seq_len and seq_len
+    with "concat"; with "doc" and "doc-packed" the documents' laid-out tokens (read from the
+    shards' index, O(documents)) over the samples ("doc-packed": the plan's windows), what
+    --max-tokens counts; and the tokens a real token attends to on average, sum(len^2) /
+    sum(len) over the laid-out documents (attention stays in a document), what MFU counts of
+    attention (app.telemetry.flops)."""
     if spec.packing == "concat":
-        return num_samples, float(spec.seq_len)
+        return num_samples, float(spec.seq_len), float(spec.seq_len)
     stream = TokenStream(spec.dataset_dir, manifest, spec.split)
     cls = manifest.get("cls_token_id")
     cls = int(cls) if cls is not None else None
     if spec.packing == "doc-packed":
         plan = pack_plan_of(spec, stream, cls, eval_order=False)
-        return plan.windows, plan.real_tokens / plan.windows
+        return (plan.windows, plan.real_tokens / plan.windows,
+                plan.squared_tokens / max(plan.real_tokens, 1))
     lengths = packing.layout_lengths(stream, spec.seq_len, cls_id=cls,
                                      bert_layout=spec.objective == "mlm")
-    return num_samples, float(lengths.mean())
+    span = float(np.square(lengths, dtype=np.float64).sum() / max(int(lengths.sum()), 1))
+    return num_samples, float(lengths.mean()), span
 
 
 class StreamSampler(Sampler[int]):
@@ -379,9 +386,11 @@ class BatchLayout:
     positions with static shapes, where indexing by a boolean mask would sync the host every
     step. CLM: `input_ids` and `labels`. `attention_mask` only with "doc" packing: in "concat"
     every token is attended to, and an all-ones mask costs the model a host sync to find out.
-    "doc-packed": `position_ids` and `document_ids` instead (the model makes its block-diagonal
-    mask from them on the device: app.model.document_attention). "doc" and "doc-packed" add
-    `tokens`, each sample's real tokens, which the trainer takes out for the telemetry.
+    "doc-packed": `position_ids`, `document_ids` and `doc_lengths` instead (the model makes its
+    block-diagonal mask from the ids on the device, app.model.document_attention, or with
+    flash-attention its variable-length call from the lengths, app.model.varlen_kwargs). "doc"
+    and "doc-packed" add `tokens`, each sample's real tokens, which the trainer takes out for the
+    telemetry.
     """
 
     keys: tuple[str, ...]
@@ -398,7 +407,8 @@ class BatchLayout:
         if spec.packing == "doc":
             keys, widths = keys + ("attention_mask",), widths + (seq,)
         elif spec.packing == "doc-packed":
-            keys, widths = keys + ("position_ids", "document_ids"), widths + (seq, seq)
+            keys = keys + ("position_ids", "document_ids", "doc_lengths")
+            widths = widths + (seq, seq, packing.window_docs(seq) + 1)
         if spec.packing in packing.DOC_PACKINGS:  # each sample's real tokens: the telemetry's
             keys, widths = keys + ("tokens",), widths + (1,)
         return cls(keys, widths)

@@ -13,8 +13,10 @@
   it out, placed side by side in windows of seq_len tokens without being cut (ModernBERT's and
   Krell et al.'s packing). A window is a sample: the order, mixtures, ranks and resume treat it
   like any other. Attention stays inside each document (the loader hands over per-token document
-  ids, the model turns them into a block-diagonal mask: app.model.document_attention) and
-  position ids restart at each document, so each document's math is that of "doc". Which
+  ids, which the model turns into a block-diagonal mask, app.model.document_attention, and each
+  window's document lengths, from which flash-attention's variable-length call is summed,
+  app.model.varlen_kwargs) and position ids restart at each document, so each document's math
+  is that of "doc". Which
   documents share a window is the plan (`PackPlan`): best fit over a keyed shuffle of the
   documents, computed once per split in O(documents), two int arrays.
 
@@ -72,6 +74,12 @@ def doc_sample(stream: TokenStream, index: int, seq_len: int, *, pad_id: int, eo
     return out, length
 
 
+def window_docs(seq_len: int) -> int:
+    """The most documents a "doc-packed" window of seq_len tokens holds (the plan's cap): it
+    bounds a window's masked positions and the width of its `doc_lengths`."""
+    return max(2, seq_len // 16)
+
+
 PLAN_EPOCH = -1
 """The order key of the plan's shuffle: apart from every epoch's order of the windows."""
 
@@ -108,6 +116,9 @@ class PackPlan:
     starts: np.ndarray
     real_tokens: int
     """The laid-out tokens of every document (the windows' tokens that are not padding)."""
+    squared_tokens: float
+    """The sum of the documents' squared lengths: the query-key pairs of attention confined to
+    each document (app.telemetry.flops, the attention span)."""
     max_docs: int
     """The most documents of one window (MLM's masked-position width depends on it)."""
 
@@ -151,7 +162,9 @@ def pack_plan(lengths: np.ndarray, seq_len: int, *, seed: int | None,
     starts = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=len(count)))])
     documents = order[grouped].astype(np.int32 if n < 2**31 else np.int64)
     return PackPlan(documents=documents, starts=starts.astype(np.int64),
-                    real_tokens=int(lengths.sum()), max_docs=max(count, default=1))
+                    real_tokens=int(lengths.sum()),
+                    squared_tokens=float(np.square(lengths, dtype=np.float64).sum()),
+                    max_docs=max(count, default=1))
 
 
 def _in_chunks(lengths: np.ndarray, order: np.ndarray, chunk: int = 1 << 20):
@@ -167,7 +180,10 @@ def place_documents(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, ow
     """Laid-out documents (rows of `ids`/`labels`, the first `lengths[r]` tokens real; row r
     belongs to window `owner[r]`, rows of a window in order) side by side in `windows` windows:
     `input_ids`, `labels`, `position_ids` (restarting at each document), `document_ids` (1, 2,
-    ... by place in the window, 0 on padding) and `tokens` (each window's real tokens)."""
+    ... by place in the window, 0 on padding), `doc_lengths` (each window's documents' lengths in
+    order, then its padding's, then zeros: window_docs(seq_len) + 1 wide, what flash-attention's
+    variable-length kernels take: app.model.varlen_kwargs) and `tokens` (each window's real
+    tokens)."""
     real = np.arange(seq_len) < lengths[:, None]
     rows, cols = np.nonzero(real)  # row-major: each window's documents in order
     window = owner[rows]
@@ -181,6 +197,10 @@ def place_documents(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, ow
     out["labels"][window, at] = labels[rows, cols]
     out["position_ids"][window, at] = cols
     out["document_ids"][window, at] = place[rows] + 1
-    out["tokens"] = np.bincount(owner, weights=lengths, minlength=windows).astype(np.int64) \
-        .reshape(-1, 1)
+    tokens = np.bincount(owner, weights=lengths, minlength=windows).astype(np.int64)
+    out["doc_lengths"] = np.zeros((windows, window_docs(seq_len) + 1), dtype=np.int64)
+    out["doc_lengths"][owner, place] = lengths
+    out["doc_lengths"][np.arange(windows), np.bincount(owner, minlength=windows)] = \
+        seq_len - tokens
+    out["tokens"] = tokens.reshape(-1, 1)
     return out

@@ -7,10 +7,19 @@ The convention is PaLM's (Chowdhery et al. 2022, appendix B), which is also Mega
 activation recomputation not counted, a multiply-add is 2 FLOPs:
 
     flops/token = 6 * N_layers                      # every matmul weight: 2 fwd + 4 bwd per token
-                + 12 * L * d_attn * S               # QK^T and AV: 2 matmuls x 2 FLOPs x S x d_attn,
-                                                    # x3 for fwd+bwd; the full S x S matrix is
-                                                    # counted, also for causal models (no halving)
+                + 12 * L * d_attn * S_a             # QK^T and AV: 2 matmuls x 2 FLOPs x S_a x
+                                                    # d_attn, x3 for fwd+bwd; the full S_a x S_a
+                                                    # matrix is counted, also for causal models
+                                                    # (no halving)
                 + 6 * f_head * (d * V [+ d * d])    # the LM head on the positions it runs on
+
+S_a, the attention span, is the tokens a real token attends to: S with --packing concat; with
+"doc" and "doc-packed", where attention stays inside a document, the mean over real tokens of
+their document's length, sum(len^2) / sum(len) over the split's laid-out documents (the loader's
+`attention_span`, O(documents) once at start-up): a document of len tokens costs len^2, as
+flash-attention's variable-length kernels spend. Counting S there would credit a doc-packed run
+of short documents with the whole window's S x S (SDPA with a mask does compute it, but as waste,
+not model FLOPs). A sliding-window layer (ModernBERT's local layers) is still counted at S_a.
 
 N_layers counts the transformer blocks' matmul weights only (Q, K, V, O and the MLP's 2 or 3
 matrices); embeddings are lookups (no FLOPs), norms and biases are negligible. d_attn = heads x
@@ -122,21 +131,25 @@ def head_fraction(objective: str, mask_prob: float = 0.15, sparse_mlm_head: bool
     return 1.0
 
 
-def flops_breakdown(shape: ModelShape, seq_len: int, head_frac: float = 1.0) -> dict[str, float]:
-    """Training FLOPs per token by term: "matmuls", "attention", "head" (see module docstring)."""
+def flops_breakdown(shape: ModelShape, seq_len: int, head_frac: float = 1.0,
+                    attention_span: float | None = None) -> dict[str, float]:
+    """Training FLOPs per token by term: "matmuls", "attention", "head" (see module docstring);
+    `attention_span`: S_a, seq_len when not given."""
     if seq_len < 1:
         raise UserError(f"--seq-len {seq_len}: must be at least 1")
+    span = seq_len if attention_span is None else min(float(attention_span), seq_len)
     head_params = shape.hidden * shape.vocab
     if shape.has_mlm_transform:
         head_params += shape.hidden * shape.hidden
     return {"matmuls": 6.0 * shape.layers * shape.layer_matmul_params,
-            "attention": 12.0 * shape.layers * shape.q_dim * seq_len,
+            "attention": 12.0 * shape.layers * shape.q_dim * span,
             "head": 6.0 * head_frac * head_params}
 
 
-def flops_per_token(shape: ModelShape, seq_len: int, head_frac: float = 1.0) -> float:
+def flops_per_token(shape: ModelShape, seq_len: int, head_frac: float = 1.0,
+                    attention_span: float | None = None) -> float:
     """Training (forward + backward) model FLOPs per token."""
-    return sum(flops_breakdown(shape, seq_len, head_frac).values())
+    return sum(flops_breakdown(shape, seq_len, head_frac, attention_span).values())
 
 
 def mfu(tokens_per_sec: float, flops_token: float, peak_tflops: float, devices: int = 1) -> float:

@@ -25,7 +25,7 @@ exit status 1; on CPU (--cpu) they are informative (exit 0 unless something cras
     python bench/gpu_mfu.py --cpu --quick                # CI: tiny models on CPU, a few minutes
     python bench/gpu_mfu.py --probe                      # flash-attn and FusedAdam lines only
 
-Everything lands in DIR/gpu_mfu.json (default ./gpu_mfu-out) with the profiler traces; the last
+Everything lands in DIR/gpu_mfu.json (default runs/gpu_mfu) with the profiler traces; the last
 line printed is the app / plain ratio.
 """
 from __future__ import annotations
@@ -641,7 +641,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true",
                    help="tiny models on CPU (CI); verdicts informative")
     p.add_argument("--quick", action="store_true", help="the first model only, fewer rounds")
-    p.add_argument("--out", type=Path, default=Path("gpu_mfu-out"))
+    p.add_argument("--out", type=Path, default=Path("runs/gpu_mfu"),
+                   help="where the JSON, logs and traces go (default runs/gpu_mfu)")
     p.add_argument("--models", nargs="+", help="presets instead of the default three (two on CPU)")
     p.add_argument("--micro-batch", type=int, help="first try (halved on out-of-memory)")
     p.add_argument("--seq-len", type=int)

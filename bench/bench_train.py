@@ -110,17 +110,17 @@ def reference_run(args, side: str = "ref") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _model_and_batches(args, manifest: dict):
-    """The model an --others side trains and an iterator over the app's batches (as the
-    reference loop builds). The model: with `--others-model stock` and the causal objective,
-    the transformers class a user of that tool trains (GPT2LMHeadModel with its own loss and
+def _model_and_batches(args, manifest: dict, others: bool = False):
+    """The model a side trains and an iterator over the app's batches (as the reference loop
+    builds). The model: for an --others side (`others`) with `--others-model stock` and the
+    causal objective, the transformers class a user of that tool trains (GPT2LMHeadModel with its own loss and
     its inference cache on, as transformers configures it), built from the same config and seed
     (the same weights); else the app's training model (its chunked loss; for MLM always: its
     batches carry the masked positions only the app's sparse head takes)."""
     config = build_config(args.model, vocab_size=manifest["vocab_size"],
                           special_ids=special_ids(manifest),
                           overrides=parse_overrides(args.model_arg), dropout=args.dropout)
-    stock = args.others_model == "stock" and args.objective == "clm"
+    stock = others and args.others_model == "stock" and args.objective == "clm"
     model = build_model(config, seed=args.seed, for_training=not stock)
     spec = DataSpec(args.data, "train", args.seq_len, args.objective, seed=args.seed)
     loader = build_train_loader(spec, micro_batch=args.micro_batch, global_batch=args.micro_batch,
@@ -151,7 +151,7 @@ def hf_trainer_loop(args, manifest: dict) -> dict:
     filled by the Trainer itself), AdamW from the config, the same schedule and clipping."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    model, loader = _model_and_batches(args, manifest)
+    model, loader = _model_and_batches(args, manifest, others=True)
     ds = json.loads((REPO / "ds_configs" / "zero0.json").read_text())
     times: list[float] = []
 
@@ -185,7 +185,7 @@ def lightning_loop(args, manifest: dict) -> dict:
     gradient_clip_val 1.0, CPU, no logger, checkpoints or progress bar."""
     import lightning as L
 
-    model, loader = _model_and_batches(args, manifest)
+    model, loader = _model_and_batches(args, manifest, others=True)
     times: list[float] = []
     warmup = max(1, args.steps // 20)
 

@@ -6,10 +6,11 @@ uses app.runtime.dist for its cross-rank collectives. Time is kept by app.teleme
 state by app.checkpoint.train_state, the console and files by app.telemetry.sinks; anomalies and
 stop signals are handled by app.faults.recovery. Built by app.build.
 
-Host syncs and collectives, and when. A training step has no host sync of its own (at
-ZeRO 1-3 DeepSpeed adds its inf/NaN check of the gradient norm; tests/test_gpu_path.py):
-- every step: the stop-flag all-reduce (app.faults.preemption), one integer on its own CPU
-  (gloo) group, started at one step boundary and read at the next: it never waits for the device;
+Host syncs and collectives, and when. A training step has no host sync, DeepSpeed's included
+outside fp16 (app.runtime.patches `sync_free_steps`; tests/test_gpu_path.py,
+tests/test_host_syncs.py):
+- every step: the stop-flag all-reduce (app.faults.preemption), one integer on the job's group,
+  started at one step boundary and read LAG boundaries later: it never waits for the device;
 - at a log step (`gather`, then `log`): one device synchronize (the clock), one copy of the
   device values (the step losses since the last check point, which the anomaly monitor then
   judges on the host, the loss sum, the gradient norm) to the host, one all-gather of every

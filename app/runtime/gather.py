@@ -81,8 +81,8 @@ class ParamGather:
         self._hooks = self._install_hooks(module)
 
     def describe(self) -> str:
-        return f"the parameters' all-gather in {self.chunks} chunk(s) runs during the next " \
-               f"forward (each module waits for its own weights' chunks)"
+        return f"the step's all-gather of the weights runs during the next forward, in " \
+               f"{self.chunks} chunk(s) (each module waits for its own weights' chunks)"
 
     # -- the chunks ---------------------------------------------------------------------------
 

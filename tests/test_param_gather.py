@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 
 from app.runtime.gather import OFF_ENV, TRACE_ENV, piece_elements
-from tests.helpers import TINY, check, launch, train_losses
+from tests.helpers import TINY, check, launch, metrics, train_losses
 
 HALF, STEPS = 3, 6
 # 2 ranks x micro 4 x grad accum 2; dropout 0 so the two paths compare step by step
 COMMON = [*TINY, "--log-every", "1", "--grad-accum", "2", "--dropout", "0",
-          "--eval-every", "0", "--save-every", str(HALF), "--zero", "1"]
+          "--eval-every", "2", "--save-every", str(HALF), "--zero", "1"]
+# the resumed run's 5th step gets a NaN loss: a rollback to step 3's checkpoint, loaded while
+# that step's gather is in flight (app/faults/injection.py counts global batches from 0)
+POISON = "4:nan"
 
 
 def test_pieces_cover_a_partition_aligned():
@@ -82,7 +85,8 @@ def test_each_module_waits_for_its_own_chunks_and_the_forward_for_all():
 
 
 def _train_with_resume(dataset: Path, out: Path, monkeypatch, *extra: str, overlap: bool):
-    """HALF steps (saved), then a resume of the same run to STEPS, through the real launcher."""
+    """HALF steps (saved), then a resume of the same run to STEPS with a rollback in it, through
+    the real launcher."""
     with monkeypatch.context() as env:
         if overlap:
             env.setenv(TRACE_ENV, str(out.parent / f"{out.name}.trace"))
@@ -90,9 +94,15 @@ def _train_with_resume(dataset: Path, out: Path, monkeypatch, *extra: str, overl
             env.setenv(OFF_ENV, "1")
         first = check(launch("train", "--data", dataset, "--out", out, *COMMON, "--max-steps",
                              str(HALF), *extra))
-        check(launch("train", "--data", dataset, "--out", out, *COMMON, "--max-steps",
-                     str(STEPS), *extra))
+        env.setenv("DSPRETRAIN_TEST_POISON", POISON)
+        resumed = check(launch("train", "--data", dataset, "--out", out, *COMMON, "--max-steps",
+                               str(STEPS), *extra))
+        assert "rolling back" in resumed.stderr
     return first
+
+
+def eval_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["eval/loss"]) for m in metrics(run_dir) if "eval/loss" in m]
 
 
 def _traces(out: Path) -> list[list[dict]]:
@@ -117,8 +127,9 @@ def _waited_in_forward(step: dict) -> list[int]:
 def test_the_weights_gather_during_the_next_forward_and_train_the_same_losses(
         extra, mlm_dataset, tmp_path, monkeypatch):
     """ZeRO-1 at 2 ranks (fp32: DeepSpeedZeroOptimizer; bf16: BF16_Optimizer): every step's
-    gather chunks are launched by the step and waited for in the next forward, and the losses,
-    across a save and a resume, are those of DeepSpeed's blocking gather."""
+    gather chunks are launched by the step and waited for in the next forward, and the losses
+    (train and eval), across a save, a resume and a rollback, are those of DeepSpeed's blocking
+    gather."""
     overlapped = tmp_path / "overlapped"
     first = _train_with_resume(mlm_dataset, overlapped, monkeypatch, *extra, overlap=True)
     assert "during the next forward" in first.stderr  # the start-up `gradients:` line
@@ -141,3 +152,4 @@ def test_the_weights_gather_during_the_next_forward_and_train_the_same_losses(
     ref, got = train_losses(reference), train_losses(overlapped)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert got == ref  # bit-identical: the same bytes land in the same buffers
+    assert len(eval_losses(overlapped)) >= 3 and eval_losses(overlapped) == eval_losses(reference)

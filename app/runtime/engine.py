@@ -20,6 +20,7 @@ from app.runtime.ops import load_op, optimizer_op
 from app.runtime.overlap import GradReducer, switched_off
 from app.runtime.patches import (local_fp32_clipping, local_zero1_reduction, share_fp32_partitions,
                                  skip_lone_allreduce, sync_free_steps)
+from app.runtime.zero2_overlap import overlap_zero2
 
 
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
@@ -93,6 +94,9 @@ def overlap_reduction(engine) -> str:
         return f"all-reduce in {dtype} after backward, then an all-gather of the parameters " \
                f"(not overlapped: BF16_Optimizer accumulates in fp32 after backward without " \
                f"bf16.immediate_grad_update)"
+    zero2 = overlap_zero2(engine) if stage == 2 else None  # devices without streams
+    if zero2:
+        return zero2
     if stage == 2:
         return f"ZeRO-2's reduce buckets in {dtype} at each of the " \
                f"{engine.gradient_accumulation_steps()} micro step(s) (overlapped on a GPU side " \

@@ -1,0 +1,253 @@
+"""ZeRO-2's bucket reductions made asynchronous on devices without streams (CPU).
+
+DeepSpeed's ZeRO-2 reduces a full ipg bucket inside the gradient hook that overflows it
+(reduce_ipg_grads -> average_tensor -> allreduce_and_scatter / allreduce_no_retain), then copies
+the owned gradients into the partition and drops the others (reduce_ipg_grads' epilogue). With
+`overlap_comm` it hides that on a GPU side stream and alternates two ipg buffers; on an
+accelerator whose streams are no-ops every collective blocks backward (netsim: ZeRO-2 at 0.35-0.40
+scaling efficiency where DDP reached 0.57-0.61, docs/benchmarks.md).
+
+This instance patch keeps DeepSpeed's arithmetic and launches the same collectives, in the same
+order, with `async_op`: what follows them (the wait, the copy of the reduced values back into the
+ipg buffer and the fp32 partition, reduce_ipg_grads' epilogue) is deferred until the other ipg
+buffer is about to be refilled (the next bucket's launch), or the end of backward, where
+DeepSpeed's epilogue flushes the last bucket (`reduce_ipg_grads()` without a dtype). Everything
+it does not cover (offload, MoE, Muon, ZenFlow, an oversized gradient, reduce_scatter off, one
+ipg buffer) runs DeepSpeed's own code, synchronously.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from typing import Callable
+
+from app.runtime.overlap import TRACE_ENV, bucket_elements, switched_off
+
+
+def overlap_zero2(engine) -> str | None:
+    """Patch ZeRO-2's optimizer where it applies; the start-up `gradients:` text (what runs,
+    and why), or None where the accelerator has real streams (DeepSpeed's own overlap)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().resolves_data_dependency():
+        return None
+    opt = engine.optimizer
+    dtype = str(engine.communication_data_type).removeprefix("torch.")
+    why_not = _not_covered(opt)
+    if why_not or switched_off():
+        why = why_not or "switched off for a test"
+        return f"ZeRO-2's reduce buckets in {dtype}, each blocking backward in its hook " \
+               f"(DeepSpeed's path, not overlapped: {why})"
+    shrunk = _bucket_for_overlap(opt)
+    Zero2Overlap(opt)
+    note = f"; reduce_bucket_size {shrunk:,} (the configured one held the whole model)" \
+        if shrunk else ""
+    return f"ZeRO-2's reduce buckets of <= {opt.reduce_bucket_size:,} elements in {dtype}, " \
+           f"launched asynchronously during backward and completed when their ipg buffer is " \
+           f"needed again{note}"
+
+
+def _not_covered(opt) -> str | None:
+    """Why this optimizer stays on DeepSpeed's path (None: the patch covers it)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(opt, DeepSpeedZeroOptimizer) or not opt.partition_gradients:
+        return f"{type(opt).__name__} is not DeepSpeed's ZeRO-2 optimizer"
+    checks = [(opt.cpu_offload, "optimizer offload"), (opt.has_moe_layers, "MoE"),
+              (opt.zenflow, "ZenFlow"), (not opt.contiguous_gradients, "contiguous_gradients off"),
+              (not opt.overlap_comm, "overlap_comm off: one ipg buffer"),
+              (not opt.reduce_scatter, "reduce_scatter off: one blocking all-reduce a bucket"),
+              (opt.sequence_parallel_size > 1, "sequence parallel"),
+              (_uses_muon(opt), "the Muon optimizer"),
+              (_correctness_test(), "DeepSpeed's pg_correctness_test")]
+    return next((why for bad, why in checks if bad), None)
+
+
+def _uses_muon(opt) -> bool:
+    return "muon" in type(opt.optimizer).__name__.lower()
+
+
+def _correctness_test() -> bool:
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    return bool(stage_1_and_2.pg_correctness_test)
+
+
+def _bucket_for_overlap(opt) -> int | None:
+    """A reduce bucket at least the model's size is reduced once, at the end of backward:
+    nothing to overlap. Then take the app's reducer's size (an eighth of the model, app.runtime
+    .overlap); a smaller configured bucket is kept. Returns the new size, if changed."""
+    total = sum(p.numel() for group in opt.bit16_groups for p in group if p.requires_grad)
+    if opt.reduce_bucket_size < total:
+        return None
+    opt.reduce_bucket_size = bucket_elements(total)
+    return opt.reduce_bucket_size
+
+
+class Zero2Overlap:
+    """The patch on one DeepSpeedZeroOptimizer (module docstring). `pending` holds, oldest
+    first, the deferred completions of launched buckets: each a list of closures run in order."""
+
+    def __init__(self, opt):
+        self.opt = opt
+        self.pending: deque[list[Callable[[], None]]] = deque()
+        self.deferring: list[Callable[[], None]] | None = None
+        self.trace_path = os.environ.get(TRACE_ENV)
+        self.events: list[tuple[str, int, float]] = []
+        self.works: list = []  # this backward's launched collectives (trace only)
+        self.launched = 0
+        self.originals = {name: getattr(opt, name) for name in (
+            "reduce_ipg_grads", "allreduce_and_copy", "allreduce_and_copy_with_multiple_ranks",
+            "reduce_independent_p_g_buckets_and_remove_grads")}
+        opt.reduce_ipg_grads = self.reduce_ipg_grads
+        opt.allreduce_and_copy = self.allreduce_and_copy
+        opt.allreduce_and_copy_with_multiple_ranks = self.allreduce_and_copy_with_multiple_ranks
+        opt.reduce_independent_p_g_buckets_and_remove_grads = self.gradient_ready
+        opt.app_zero2_overlap = self
+
+    # -- the hooks ----------------------------------------------------------------------------
+
+    def gradient_ready(self, param, i):
+        """DeepSpeed's per-gradient hook body; traced: which launched collectives are still in
+        flight while backward produces this gradient."""
+        if self.trace_path:
+            now = time.perf_counter()
+            self.events.append(("ready", -1, now))
+            self.events += [("in_flight", k, now) for k, work in enumerate(self.works)
+                            if not work.is_completed()]
+        return self.originals["reduce_independent_p_g_buckets_and_remove_grads"](param, i)
+
+    def reduce_ipg_grads(self, comm_dtype=None):
+        """A full bucket of `comm_dtype` (from the hook): launched, its completion deferred.
+        Without a dtype (the end of backward) or with an oversized gradient: complete what is
+        pending, then DeepSpeed's own reduction."""
+        opt = self.opt
+        if comm_dtype is None or comm_dtype in opt.extra_large_param_to_reduce:
+            self.complete_all(end=comm_dtype is None)
+            return self.originals["reduce_ipg_grads"](comm_dtype)
+        bucket = opt.ipg_buckets[comm_dtype]
+        params = list(bucket.params)
+        self.deferring = []
+        try:
+            opt.average_tensor(bucket.buffer[bucket.index].narrow(0, 0, bucket.elements),
+                               comm_dtype)
+        finally:
+            completions, self.deferring = self.deferring, None
+        completions.append(lambda: self._epilogue(params))
+        bucket.clear()
+        # the caller swaps to the other ipg buffer next: what still reads it completes first
+        self.complete_all()
+        self.pending.append(completions)
+
+    def _epilogue(self, params) -> None:
+        """reduce_ipg_grads' epilogue at ZeRO-2 for one reduced bucket: owned gradients into the
+        partition, the others dropped."""
+        opt = self.opt
+        for group_idx, param_idx_in_group, param_id in params:
+            param = opt.bit16_groups[group_idx][param_idx_in_group]
+            assert not opt.params_already_reduced[param_id], "a gradient reduced twice"
+            opt.params_already_reduced[param_id] = True
+            if not opt.is_param_in_current_partition[param_id]:
+                opt.clear_grad_attribute(param)
+            else:
+                opt.copy_grads_in_partition(param, group_idx)
+
+    def complete_all(self, end: bool = False) -> None:
+        """Run every deferred completion, oldest first (at the end of backward: and trace)."""
+        if end and self.trace_path:
+            self.events.append(("backward_end", -1, time.perf_counter()))
+        while self.pending:
+            for completion in self.pending.popleft():
+                completion()
+        if end:
+            self._write_trace()
+
+    # -- the collectives ----------------------------------------------------------------------
+
+    def allreduce_and_copy(self, small_bucket, communication_data_type, rank=None, log=None,
+                           divide=True, process_group=None, output_bucket=None):
+        """DeepSpeed's allreduce_and_copy (a reduce to `rank`, or an all-reduce), asynchronous
+        inside a deferred bucket: the copy back into the bucket happens at completion."""
+        if self.deferring is None:
+            return self.originals["allreduce_and_copy"](
+                small_bucket, communication_data_type, rank=rank, log=log, divide=divide,
+                process_group=process_group, output_bucket=output_bucket)
+        from deepspeed import comm as dist
+
+        opt = self.opt
+        opt._clear_previous_reduced_grads()  # as DeepSpeed does with overlap_comm
+        group = opt.dp_process_group if process_group is None else process_group
+        result = self._launch(small_bucket, communication_data_type, rank, divide, group)
+        outputs = output_bucket or [None] * len(small_bucket)
+        mine = rank is None or rank == dist.get_rank(group=group)
+        self.deferring.append(lambda: self._copy_back(result(), small_bucket, outputs,
+                                                      [mine] * len(small_bucket)))
+
+    def allreduce_and_copy_with_multiple_ranks(self, small_bucket, communication_data_type,
+                                               log=None, divide=True, process_group=None,
+                                               bucket_ranks=None, output_bucket=None):
+        """DeepSpeed's all-reduce of a multi-rank bucket, asynchronous inside a deferred bucket:
+        each slice is copied back, at completion, on the rank(s) that own it."""
+        if self.deferring is None:
+            return self.originals["allreduce_and_copy_with_multiple_ranks"](
+                small_bucket, communication_data_type, log=log, divide=divide,
+                process_group=process_group, bucket_ranks=bucket_ranks,
+                output_bucket=output_bucket)
+        from deepspeed import comm as dist
+
+        group = self.opt.dp_process_group if process_group is None else process_group
+        result = self._launch(small_bucket, communication_data_type, None, divide, group)
+        me = dist.get_rank(group=group)
+        mine = [me in r if isinstance(r, frozenset) else me == r for r in bucket_ranks]
+        outputs = output_bucket or [None] * len(small_bucket)
+        self.deferring.append(lambda: self._copy_back(result(), small_bucket, outputs, mine))
+
+    def _launch(self, small_bucket, comm_dtype, rank, divide, group) -> Callable:
+        """DeepSpeed's allreduce_bucket with async_op; returns what waits for it and gives the
+        reduced tensor (in the communication dtype, as allreduce_bucket returns it)."""
+        from deepspeed import comm as dist
+
+        opt = self.opt
+        tensor = opt.flatten(small_bucket)
+        sent = tensor.to(comm_dtype) if comm_dtype != tensor.dtype else tensor
+        if divide and opt.gradient_average:
+            sent.div_(dist.get_world_size(group=group) / float(opt.sequence_parallel_size))
+        if rank is None:
+            work = dist.all_reduce(sent, group=group, async_op=True)
+        else:
+            work = dist.reduce(sent, dist.get_global_rank(group, rank), group=group,
+                               async_op=True)
+        k = self.launched
+        self.launched += 1
+        if self.trace_path:  # a Work holds its tensor: kept past completion only when tracing
+            self.works.append(work)
+            self.events.append(("launch", k, time.perf_counter()))
+
+        def result():
+            work.wait()
+            if self.trace_path:
+                self.events.append(("done", k, time.perf_counter()))
+            if sent is not tensor and (rank is None or rank == dist.get_rank(group=group)):
+                tensor.copy_(sent)
+            return sent
+
+        return result
+
+    def _copy_back(self, reduced, small_bucket, outputs, mine) -> None:
+        opt = self.opt
+        for buf, synced, output, own in zip(small_bucket, opt.unflatten(reduced, small_bucket),
+                                            outputs, mine):
+            if own:
+                opt._add_to_grad_partition_buffer(output, synced)
+                buf.copy_(synced)
+
+    def _write_trace(self) -> None:
+        """One line a backward into `$DSPRETRAIN_TEST_OVERLAP_TRACE.rankN` (tests)."""
+        if self.trace_path and self.works:
+            from deepspeed import comm as dist
+
+            with open(f"{self.trace_path}.rank{dist.get_rank()}", "a") as f:
+                f.write(json.dumps({"collectives": len(self.works), "events": self.events}) + "\n")
+        self.events, self.works, self.launched = [], [], 0

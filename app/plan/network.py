@@ -408,7 +408,8 @@ class StepTime:
     compute_ms: float
     """All micro steps' compute (forward, backward, optimizer) without communication."""
     comm_ms: float
-    """Every collective of the step, end to end, as if nothing overlapped."""
+    """Every collective of the step, end to end, as if nothing overlapped (with the core's CPU
+    work for them, `cpu_comm_ms`)."""
     exposed_comm_ms: float
     """The part of `comm_ms` the step waits for."""
     parts: list[dict[str, Any]] = field(default_factory=list)
@@ -449,7 +450,7 @@ def step_time(colls: list[Collective], nodes: int, per_node: int, link: Link,
                       "per_micro_step": c.per_micro, "phase": c.phase, "overlapped": c.overlapped,
                       "ms_each": t, "times_per_step": grad_accum if c.per_micro else 1})
     cpu = link.cpu_ms_per_mb * node_bytes(colls, nodes, grad_accum) / 1e6
-    return StepTime(compute_ms, total, exposed + cpu, parts, cpu)
+    return StepTime(compute_ms, total + cpu, exposed + cpu, parts, cpu)
 
 
 def node_bytes(colls: list[Collective], nodes: int, grad_accum: int = 1) -> int:

@@ -29,6 +29,24 @@ is shared by its g devices, so it carries the whole tensor's share):
     all-gather       as reduce-scatter
 
 per bucket of B bytes (a = the per-message latency of one ring step).
+
+What the step waits for (a pipeline, not a share of backward that hides everything):
+
+    ready_b     a bucket's gradients are final at the share of backward's work done after the
+                last use of its last parameter (the planner's `backward_layout`: matmul work by
+                elements; a tied embedding is final only at the very end of backward)
+    finish_b    max(ready_b, finish_b-1) + cost_b: buckets go over the link one after another
+    exposed     finish_last - backward's end (at least the embeddings' bucket, ready at the end)
+    forward     gathers during forward (Overlap.gather_chunks, ZeRO-3's prefetch): all launched
+                when forward starts, forward stalls until chunk c is in where it first needs it:
+                stall = max_c(finish_c - needed_c)
+    CPU         on a one-core node the CPU gloo spends per byte a node sends (copies, sums, the
+                TCP stack; Link.cpu_ms_per_mb, measured: GLOO_CPU_MS_PER_MB) is taken from
+                compute, overlapped or not: paid on top
+    gloo        torch's gloo reduce-scatter moves an all-reduce's bytes (measured): two passes
+
+Each term and the measurements behind the constants: docs/plan.md, "What hides behind compute"
+and "The primitives, measured on the simulated cluster".
 """
 from __future__ import annotations
 

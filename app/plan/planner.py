@@ -403,18 +403,23 @@ def compute_ms(req: PlanRequest, micro: int, grad_accum: int, peak: float | None
     return 1000 * micro * grad_accum * req.seq_len * fpt / (req.mfu * peak * 1e12)
 
 
+def cpu_ms_per_mb(req: PlanRequest) -> float:
+    """--net-cpu-ms-per-mb, else gloo's measured cost on one core (CPU runs), else 0 (GPUs)."""
+    if req.net_cpu_ms_per_mb is not None:
+        return req.net_cpu_ms_per_mb
+    return network.GLOO_CPU_MS_PER_MB if req.device_kind == "cpu" else 0.0
+
+
 def network_job(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, net: NetworkSetup,
                 micro: int, grad_accum: int, compute: float | None,
                 comm_dtype: str) -> network.Job:
     """The stage's collectives at a micro batch and accumulation (compute 1 ms when unknown:
     the communication itself does not depend on it)."""
     p = info.size.parameters
-    cpu = req.net_cpu_ms_per_mb
-    if cpu is None:
-        cpu = network.GLOO_CPU_MS_PER_MB if req.device_kind == "cpu" else 0.0
     return network.Job(
         stage=setup.stage, params=p, per_node=req.per_node,
-        link=replace(net.link, cpu_ms_per_mb=cpu), layout=backward_layout(info, req.mask_prob),
+        link=replace(net.link, cpu_ms_per_mb=cpu_ms_per_mb(req)),
+        layout=backward_layout(info, req.mask_prob),
         compute_ms=compute or 1.0, grad_accum=grad_accum, precision=req.precision,
         comm_dtype=comm_dtype, backward_fraction=req.overlap_fraction, device=req.device_kind,
         buckets={"reduce_bucket": setup.reduce_bucket, "allgather_bucket": setup.allgather_bucket,
@@ -689,6 +694,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
                     "nodes": plan.net.nodes, "gpus_per_node": req.per_node,
                     "compute_from": "measured" if req.compute_ms else "mfu",
                     "overlap_fraction": req.overlap_fraction, "device_kind": req.device_kind,
+                    "net_cpu_ms_per_mb": cpu_ms_per_mb(req),
                     "recommendation": plan.net_reason},
     }
 
@@ -698,6 +704,7 @@ def _network_json(n: StageNetwork) -> dict[str, Any]:
     at, last = n.at_nodes, (n.scaling[-1] if n.scaling else {})
     return {"path": network.path_of(n.job.stage, n.job.precision), "comm_dtype": n.comm_dtype,
             "comm_ms": at.comm_ms, "exposed_comm_ms": at.exposed_comm_ms if n.timed else None,
+            "cpu_comm_ms": at.cpu_comm_ms,
             "step_ms": at.step_ms if n.timed else None,
             "compute_ms": at.compute_ms if n.timed else None,
             "tokens_per_sec": last.get("tokens_per_sec"), "efficiency": last.get("efficiency"),

@@ -476,8 +476,8 @@ def node_bytes(colls: list[Collective], nodes: int, grad_accum: int = 1) -> int:
     sends 2(n-1)/n of the tensor, a reduce-scatter or all-gather (n-1)/n)."""
     if nodes <= 1:
         return 0
-    sent = sum((c.rounds or (2 if c.kind == "all-reduce" else 1)) * c.nbytes * (grad_accum if c.per_micro else 1)
-               for c in colls)
+    sent = sum((c.rounds or (2 if c.kind == "all-reduce" else 1)) * c.nbytes
+               * (grad_accum if c.per_micro else 1) for c in colls)
     return int(sent * (nodes - 1) / nodes)
 
 

@@ -289,6 +289,7 @@ def test_table_has_the_network_section(capsys, tmp_path):
     (["--compute-ms", "100"], "--micro-batch"),
     (["--micro-batch", "4", "--compute-ms", "0"], "--compute-ms 0"),
     (["--overlap-fraction", "1.5"], "--overlap-fraction"),
+    (["--net-cpu-ms-per-mb", "-1"], "--net-cpu-ms-per-mb -1"),
 ])
 def test_bad_network_flags_are_one_line(args, needle, one_line_error):
     assert main(["plan", "--model", "bert-tiny", *args]) == 2

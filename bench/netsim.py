@@ -5,6 +5,7 @@ in every one of them, so the ranks talk gloo over a real, slow network instead o
     python bench/netsim.py run --nodes 2 --rate 200mbit --delay 0.1ms -- --data D --out R ...
     python bench/netsim.py ddp --nodes 2 --rate 200mbit -- --data D --model bert-tiny ...
     python bench/netsim.py calibrate --data D -- --model bert-tiny --model-arg ...
+    python bench/netsim.py collectives --out OUT --rates none,570mbit
     python bench/netsim.py scale --data D --calibrate --out OUT -- --model-arg ...
     python bench/netsim.py clean
 
@@ -679,15 +680,17 @@ def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
     computes = {s: statistics.median(v) for s, v in ones.items()}
     if "zero0" not in computes:
         return {}, {}
+    own = {s: computes.get(s, computes["zero0"]) for s in ("zero0", "zero1", "zero2")}
     eff: dict = {}
     step: dict = {}
     for rate in rates:
-        for stage in ("zero0", "zero1", "zero2", "zero3"):
-            got = plan_scaling(args, computes.get(stage, computes["zero0"]), rate, help_text)
-            for key, into in (("efficiency", eff), ("step_ms", step)):
-                value = (got or {}).get(key, {}).get(stage)
-                if value is not None:
-                    into.setdefault(rate_text(rate), {})[stage] = value
+        for compute in sorted(set(own.values())):  # one plan per distinct compute
+            got = plan_scaling(args, compute, rate, help_text) or {}
+            for stage in (s for s, c in own.items() if c == compute):
+                for key, into in (("efficiency", eff), ("step_ms", step)):
+                    value = got.get(key, {}).get(stage)
+                    if value is not None:
+                        into.setdefault(rate_text(rate), {})[stage] = value
     return eff, step
 
 

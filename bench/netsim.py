@@ -5,6 +5,7 @@ in every one of them, so the ranks talk gloo over a real, slow network instead o
     python bench/netsim.py run --nodes 2 --rate 200mbit --delay 0.1ms -- --data D --out R ...
     python bench/netsim.py ddp --nodes 2 --rate 200mbit -- --data D --model bert-tiny ...
     python bench/netsim.py calibrate --data D -- --model bert-tiny --model-arg ...
+    python bench/netsim.py collectives --out OUT --rates none,570mbit
     python bench/netsim.py scale --data D --calibrate --out OUT -- --model-arg ...
     python bench/netsim.py clean
 
@@ -432,6 +433,10 @@ def run_ddp(nodes: int, ppn: int, rate: int | None, delay_ms: float, args: list[
 # -- scale: the app's data parallelism against plain DDP on shaped links ---------------------------
 
 SYSTEMS = ("ddp", "zero0", "zero1", "zero2")
+TCP_PAYLOAD_SHARE = 1448 / 1514
+"""The share of an htb-shaped rate that carries data: htb counts each frame's 1,514 bytes
+(Ethernet header, IP and TCP headers with timestamps) for 1,448 bytes of payload (measured: an
+all-reduce at 570 Mbit/s moves its bytes at 0.95 of the rate; docs/plan.md)."""
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
@@ -483,6 +488,64 @@ def allreduce_ms(rate: int | None, args: argparse.Namespace, out: Path) -> float
     if rc != 0:
         raise UserError(f"the all-reduce probe at {rate_text(rate)} failed (exit {rc})")
     return json.loads(result_file.read_text())["allreduce_ms"]
+
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+
+
+def collective_worker(argv: list[str]) -> int:
+    """One rank of `netsim.py collectives` (started by torch.distributed.run in a node): times
+    each collective at each size (fp32, the whole tensor's bytes) with wall and process CPU
+    clocks (the process's CPU: gloo's threads' copies, sums and socket calls), rank 0 writes
+    the medians as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    out, repeats, sizes = Path(argv[0]), int(argv[1]), [int(x) for x in argv[2:]]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank, rows = dist.get_world_size(), dist.get_rank(), []
+    for nbytes in sizes:
+        full = torch.ones(max(world, nbytes // 4 // world * world))
+        part = torch.ones(full.numel() // world)
+        calls = {"all-reduce": lambda: dist.all_reduce(full),
+                 "reduce-scatter": lambda: dist.reduce_scatter_tensor(part, full),
+                 "all-gather": lambda: dist.all_gather_into_tensor(full, part)}
+        for kind in COLLECTIVES:
+            wall, cpu = [], []
+            for _ in range(repeats + 1):  # the first call sets up the pairs' buffers
+                dist.barrier()
+                w0, c0 = time.perf_counter(), time.process_time()
+                calls[kind]()
+                wall.append(time.perf_counter() - w0)
+                cpu.append(time.process_time() - c0)
+            rows.append({"kind": kind, "bytes": full.numel() * 4,
+                         "wall_ms": 1000 * statistics.median(wall[1:]),
+                         "cpu_ms": 1000 * statistics.median(cpu[1:])})
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        write_json(out, {"world": world, "rows": rows})
+    return 0
+
+
+def time_collectives(nodes: int, rate: int | None, sizes: list[int], repeats: int,
+                     out: Path, timeout: float | None = 600) -> dict:
+    """Each collective at each size between `nodes` nodes (1 rank, 1 core a node) at `rate`:
+    {"world", "rows": [{"kind", "bytes", "wall_ms", "cpu_ms"}]}."""
+    result = out / f"collectives-{nodes}node-{rate_text(rate)}.json"
+    with stop_signals(), Cluster(nodes, rate, 0.0) as cluster:
+        commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+                     "--nproc-per-node", "1", "--node-rank", str(k), "--master-addr",
+                     cluster.addr(0), "--master-port", str(cluster.port), str(Path(__file__)),
+                     "_collective-worker", str(result), str(repeats), *map(str, sizes)]
+                    for k in range(nodes)]
+        rc = run_nodes(cluster, commands, [node_env(1) for _ in commands], 1, timeout,
+                       result.with_suffix(".log"))
+    if rc != 0:
+        raise UserError(f"the collectives probe at {rate_text(rate)} failed (exit {rc}; log: "
+                        f"{result.with_suffix('.log')})")
+    return json.loads(result.read_text())
 
 
 def calibrate(args: argparse.Namespace, out: Path) -> tuple[int, dict]:
@@ -556,7 +619,7 @@ def plan_scaling(args: argparse.Namespace, compute_ms: float, rate: int | None,
 
     cmd = [sys.executable, "-m", "app", "plan", *model_flags(args), "--gpus", "2",
            "--gpus-per-node", "1", "--nodes", "2", "--compute-ms", f"{compute_ms:.1f}",
-           "--net-gbps", f"{(rate or 100e9) / 1e9:g}", "--json"]
+           "--net-gbps", f"{(rate or 100e9) * TCP_PAYLOAD_SHARE / 1e9:g}", "--json"]
     for flag, value in (("--precision", "fp32"), ("--device-kind", "cpu"),
                         ("--vocab-size", str(load_manifest(args.data)["vocab_size"]))):
         if flag in help_text:
@@ -601,8 +664,8 @@ def stage_efficiency(plan, key: str = "efficiency") -> dict[str, float]:
 def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
             ) -> tuple[dict, dict]:
     """({rate: {stage: predicted efficiency}}, {rate: {stage: predicted 2-node step ms}}) with
-    the measured 1-node ZeRO-0 step as compute; empty (and a note) when the planner has no
-    network model."""
+    each stage's own measured 1-node step (median over the repeats) as its compute (ZeRO-0's
+    for a stage not measured); empty (and a note) when the planner has no network model."""
     if not args.plan:
         return {}, {}
     help_text = subprocess.run([sys.executable, "-m", "app", "plan", "--help"],
@@ -610,14 +673,25 @@ def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
     if "--compute-ms" not in help_text or "--net-gbps" not in help_text:
         say("--plan: this app's `app plan` has no --compute-ms/--net-gbps; no planned curve")
         return {}, {}
-    ones = [r["step_time_ms"] for r in runs
-            if r["nodes"] == 1 and r["system"] == "zero0" and r.get("step_time_ms")]
-    if not ones:
+    ones: dict[str, list[float]] = {}
+    for r in runs:
+        if r["nodes"] == 1 and r["system"] != "ddp" and r.get("step_time_ms"):
+            ones.setdefault(r["system"], []).append(r["step_time_ms"])
+    computes = {s: statistics.median(v) for s, v in ones.items()}
+    if "zero0" not in computes:
         return {}, {}
-    compute = statistics.median(ones)
-    got = {rate_text(r): plan_scaling(args, compute, r, help_text) or {} for r in rates}
-    return ({r: g.get("efficiency", {}) for r, g in got.items()},
-            {r: g.get("step_ms", {}) for r, g in got.items()})
+    own = {s: computes.get(s, computes["zero0"]) for s in ("zero0", "zero1", "zero2")}
+    eff: dict = {}
+    step: dict = {}
+    for rate in rates:
+        for compute in sorted(set(own.values())):  # one plan per distinct compute
+            got = plan_scaling(args, compute, rate, help_text) or {}
+            for stage in (s for s, c in own.items() if c == compute):
+                for key, into in (("efficiency", eff), ("step_ms", step)):
+                    value = got.get(key, {}).get(stage)
+                    if value is not None:
+                        into.setdefault(rate_text(rate), {})[stage] = value
+    return eff, step
 
 
 def measured_steps(runs: list[dict]) -> dict:
@@ -735,6 +809,49 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     with stop_signals():
         rate, facts = calibrate(args, out)
     print(json.dumps(facts), flush=True)
+    return 0
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x: (a, b)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return my - b * mx, b
+
+
+def collective_fits(rows: list[dict]) -> dict:
+    """Per collective, wall and CPU time as a latency plus a cost per MB of the whole tensor:
+    {kind: {"latency_ms", "ms_per_mb", "cpu_latency_ms", "cpu_ms_per_mb"}}."""
+    out = {}
+    for kind in COLLECTIVES:
+        mine = [r for r in rows if r["kind"] == kind]
+        if len(mine) < 2:
+            continue
+        mb = [r["bytes"] / 1e6 for r in mine]
+        a, b = fit_line(mb, [r["wall_ms"] for r in mine])
+        ca, cb = fit_line(mb, [r["cpu_ms"] for r in mine])
+        out[kind] = {"latency_ms": a, "ms_per_mb": b, "cpu_latency_ms": ca, "cpu_ms_per_mb": cb}
+    return out
+
+
+def cmd_collectives(args: argparse.Namespace) -> int:
+    """Time the primitives the planner's network model uses, per rate (module `collectives`
+    subcommand): JSON with every timing and the fitted latency and cost per MB."""
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(float(x) * 1e6) for x in args.sizes_mb.split(",")]
+    if not sizes or min(sizes) < 4 * args.nodes or args.repeats < 1:
+        raise UserError("--sizes-mb: sizes above 0; --repeats at least 1")
+    got = {}
+    for rate in [parse_rate(r) for r in args.rates.split(",")]:
+        timed = time_collectives(args.nodes, rate, sizes, args.repeats, out)
+        got[rate_text(rate)] = {**timed, "fit": collective_fits(timed["rows"])}
+        for r in timed["rows"]:
+            say(f"{rate_text(rate)}: {r['kind']} {r['bytes'] / 1e6:.2f} MB: "
+                f"{r['wall_ms']:.1f} ms wall, {r['cpu_ms']:.1f} ms CPU")
+    write_json(out / "collectives.json", got)
+    print(json.dumps({k: v["fit"] for k, v in got.items()}, indent=1), flush=True)
     return 0
 
 
@@ -866,6 +983,14 @@ def parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="the rate where one all-reduce of the fp32 gradients "
                                            "takes one 1-node step")
     add_scale_flags(cal)
+    k = sub.add_parser("collectives", help="time all-reduce, reduce-scatter and all-gather "
+                                           "between nodes per rate: the planner's primitives")
+    k.add_argument("--out", type=Path, required=True, help="where collectives.json goes")
+    k.add_argument("--nodes", type=int, default=2, help="nodes, 1 rank and 1 core each")
+    k.add_argument("--rates", default="none", help="link rates, e.g. none,570mbit")
+    k.add_argument("--sizes-mb", default="0.25,1.15,4.6,9.2",
+                   help="whole-tensor sizes, MB (default 0.25,1.15,4.6,9.2)")
+    k.add_argument("--repeats", type=int, default=5, help="timed calls a size (default 5)")
     c = sub.add_parser("clean", help="remove namespaces of netsim runs that were killed")
     c.add_argument("--all", action="store_true",
                    help="also those of runs still going (stops them)")
@@ -873,11 +998,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_collective-worker"]:  # a rank inside a node (time_collectives)
+        return collective_worker(argv[1:])
     args = parser().parse_args(argv)
     try:
         check_host()
         return {"run": cmd_run, "ddp": cmd_ddp, "clean": cmd_clean, "scale": cmd_scale,
-                "calibrate": cmd_calibrate}[args.command](args)
+                "calibrate": cmd_calibrate, "collectives": cmd_collectives}[args.command](args)
     except UserError as e:
         print(f"netsim: error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ tests/run.sh installs iproute2); the unit tests of its parsing and of the sweep'
 need neither."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -130,6 +131,36 @@ def test_the_plans_efficiency_is_read_per_stage_wherever_it_sits():
     assert netsim.stage_efficiency(planner, "step_ms") == {"zero0": 1010.0}
 
 
+def test_collective_timings_fit_a_latency_and_a_cost_per_mb():
+    rows = [{"kind": "all-gather", "bytes": mb * 10**6, "wall_ms": 2 + 7 * mb,
+             "cpu_ms": 0.7 * mb} for mb in (1, 2, 4)]
+    fit = netsim.collective_fits(rows)["all-gather"]
+    assert fit["latency_ms"] == pytest.approx(2) and fit["ms_per_mb"] == pytest.approx(7)
+    assert fit["cpu_ms_per_mb"] == pytest.approx(0.7) and fit["cpu_latency_ms"] == \
+        pytest.approx(0, abs=1e-9)
+    assert "all-reduce" not in netsim.collective_fits(rows)  # not timed: no fit
+
+
+@pytest.mark.slow
+def test_the_plan_is_given_each_stages_own_compute(mlm_dataset):
+    """--plan: each stage planned (the real `app plan`) with its own measured 1-node step, a
+    stage not measured with ZeRO-0's."""
+    runs = [{"system": "zero0", "nodes": 1, "step_time_ms": 100.0},
+            {"system": "zero0", "nodes": 1, "step_time_ms": 120.0},
+            {"system": "zero1", "nodes": 1, "step_time_ms": 150.0},
+            {"system": "ddp", "nodes": 1, "step_time_ms": 90.0}]
+    args = argparse.Namespace(plan=True, data=Path(mlm_dataset), model="bert-tiny",
+                              model_arg=[], seq_len=64, micro_batch=4)
+    rate = 570_000_000
+    eff, step = netsim.planned(args, runs, [rate])
+    help_text = "--compute-ms --net-gbps --precision --device-kind --vocab-size"
+    own = {c: netsim.plan_scaling(args, c, rate, help_text)["step_ms"] for c in (110.0, 150.0)}
+    assert step["570mbit"]["zero0"] == pytest.approx(own[110.0]["zero0"])
+    assert step["570mbit"]["zero1"] == pytest.approx(own[150.0]["zero1"])
+    assert step["570mbit"]["zero2"] == pytest.approx(own[110.0]["zero2"])
+    assert step["570mbit"]["zero1"] > 150 and 0 < eff["570mbit"]["zero1"] < 1
+
+
 def test_a_sweep_rate_runs_each_world_on_the_simulated_cluster():
     def expand(items, slots=None):
         return sweep.expand(sweep.parse(items), slots=slots, cores=2, env_threads=None,
@@ -187,6 +218,25 @@ def test_the_links_are_shaped_to_the_rate(mlm_dataset, tmp_path):
     got = json.loads(out.read_text())
     floor_ms = got["bytes"] * 8 / 20e6 * 1000
     assert got["allreduce_ms"] >= 0.9 * floor_ms, (got["allreduce_ms"], floor_ms)
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_the_collectives_probe_times_each_primitive(tmp_path):
+    """`netsim.py collectives`: all-reduce, reduce-scatter and all-gather between 2 nodes at a
+    rate: bounded below by their bytes over the link (an all-gather sends half the tensor)."""
+    proc = subprocess.run([sys.executable, str(NETSIM), "collectives", "--out", str(tmp_path),
+                           "--rates", "100mbit", "--sizes-mb", "0.5,2", "--repeats", "2"],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads((tmp_path / "collectives.json").read_text())["100mbit"]
+    rows = {(r["kind"], r["bytes"]): r for r in got["rows"]}
+    big = max(b for _, b in rows)
+    floor = big * 8 / 100e6 * 1000  # ms for the whole tensor once over the link
+    assert rows[("all-reduce", big)]["wall_ms"] >= 0.9 * floor
+    assert rows[("all-gather", big)]["wall_ms"] >= 0.9 * floor / 2
+    assert set(got["fit"]) == {"all-reduce", "reduce-scatter", "all-gather"}
 
 
 def _start_long_run(data: Path, run_dir: Path) -> subprocess.Popen:

@@ -29,10 +29,29 @@ is shared by its g devices, so it carries the whole tensor's share):
     all-gather       as reduce-scatter
 
 per bucket of B bytes (a = the per-message latency of one ring step).
+
+What the step waits for (a pipeline, not a share of backward that hides everything):
+
+    ready_b     a bucket's gradients are final at the share of backward's work done after the
+                last use of its last parameter (the planner's `backward_layout`: matmul work by
+                elements; a tied embedding is final only at the very end of backward)
+    finish_b    max(ready_b, finish_b-1) + cost_b: buckets go over the link one after another
+    exposed     finish_last - backward's end (at least the embeddings' bucket, ready at the end)
+    forward     gathers during forward (Overlap.gather_chunks, ZeRO-3's prefetch): all launched
+                when forward starts, forward stalls until chunk c is in where it first needs it:
+                stall = max_c(finish_c - needed_c)
+    CPU         on a one-core node the CPU gloo spends per byte a node sends (copies, sums, the
+                TCP stack; Link.cpu_ms_per_mb, measured: GLOO_CPU_MS_PER_MB) is taken from
+                compute, overlapped or not: paid on top
+    gloo        torch's gloo reduce-scatter moves an all-reduce's bytes (measured): two passes
+
+Each term and the measurements behind the constants: docs/plan.md, "What hides behind compute"
+and "The primitives, measured on the simulated cluster".
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from bisect import bisect_right
+from dataclasses import dataclass, field, replace
 from math import ceil
 from typing import Any, NamedTuple
 
@@ -43,18 +62,30 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKWARD_FRACTION = 2 / 3
 """The share of a micro step's compute that is backward (2 of its 3 matmul passes): the window a
 gradient reduction can hide behind."""
+GLOO_CPU_MS_PER_MB = 1.4
+"""CPU ms per MB a node sends, gloo between two one-core netsim nodes at 570 Mbit/s (process CPU
+of an all-reduce and an all-gather of 0.25-9.2 MB, `bench/netsim.py collectives`: 1.37 and
+1.41 ms per MB sent; docs/plan.md)."""
 ALLREDUCE_BUCKET = 500_000_000
 """Elements per all-reduce at ZeRO-0 and in BF16_Optimizer (MEMORY_OPT_ALLREDUCE_SIZE)."""
 
 
 class Overlap(NamedTuple):
-    """Which of a path's collectives run while compute runs."""
+    """Which of a path's collectives run while compute runs, and how."""
 
     reduce: bool
     """The gradient reduction runs during backward (bucketed)."""
     gather: bool
     """The weight all-gathers run during compute (ZeRO-3's prefetch; ZeRO-1/2's boundary gather
     never does in DeepSpeed 0.19: it ends the optimizer step)."""
+    scatter_pieces: int = 0
+    """ZeRO-1/2: the reduction is a reduce-scatter in this many buckets, bucket c holding piece
+    c of every rank's partition (ready when its last gradient is); 0: all-reduce buckets cut in
+    backward order."""
+    gather_chunks: int = 0
+    """ZeRO-1/2: the updated weights are all-gathered during the next forward in this many
+    chunks (chunk c: piece c of every partition, needed when forward first uses one of its
+    weights); 0: the gather ends the step, exposed."""
 
 
 # What overlaps today, per (path, device kind): the one place the planner reads it. ZeRO-0 and
@@ -62,7 +93,10 @@ class Overlap(NamedTuple):
 # (app/runtime/overlap.py): buckets all-reduced asynchronously while backward runs, on CPU (gloo's
 # threads) as on GPU; their parameter all-gather still ends the step. ZeRO-2 and ZeRO-3 keep
 # DeepSpeed's reduction: on the CPU accelerator its side streams are no-ops, so a reduction inside
-# a backward hook blocks it.
+# a backward hook blocks it. Work in flight changes these rows (the integrator flips them as it
+# lands): ZeRO-1 reducing by reduce-scatter in equal pieces of each partition (scatter_pieces=8),
+# gathering its weights during the next forward (gather_chunks=8), ZeRO-2's buckets overlapped on
+# CPU (reduce=True on ("zero2", "cpu")).
 OVERLAPPED: dict[tuple[str, str], Overlap] = {
     ("zero0", "gpu"): Overlap(True, False),  # the app's reducer, during backward
     ("zero0", "cpu"): Overlap(True, False),
@@ -152,8 +186,14 @@ class Link:
     inter_latency_us: float = 0.0
     intra_gbps: float = PCIE4_INTRA[0]
     intra_latency_us: float = PCIE4_INTRA[1]
+    cpu_ms_per_mb: float = 0.0
+    """CPU time the rank's own core spends per MB its node sends (gloo's copies and sums, the
+    TCP stack): on a node with one core a rank it is taken from compute, so the step pays it
+    whether the transfer overlaps or not. 0 on GPUs (NCCL's kernels, the NIC's DMA)."""
 
     def __post_init__(self) -> None:
+        if not self.cpu_ms_per_mb >= 0:
+            raise UserError(f"--net-cpu-ms-per-mb {self.cpu_ms_per_mb}: must be 0 or more")
         for name in ("inter_gbps", "intra_gbps"):
             if not getattr(self, name) > 0:
                 raise UserError(f"--{_flag(name)} {getattr(self, name)}: must be positive")
@@ -185,32 +225,70 @@ class Collective:
     phase: str
     """When it can run: "forward", "backward" or "step" (after backward, in the optimizer step)."""
     overlapped: bool
+    layout: tuple[Grad, ...] = ()
+    """The parameters it covers in backward order (pipeline model); () for the closed form."""
+    bucket_elements: int = 0
+    """Backward reductions: buckets cut from `layout` as the reducer cuts them."""
+    pieces: int = 0
+    """Buckets (or chunks) of equal pieces of every rank's partition instead (Overlap)."""
+    rounds: int = 0
+    """Ring passes over the tensor (0: by kind; gloo's reduce-scatter is an all-reduce)."""
+
+
+class Grad(NamedTuple):
+    """One parameter (or a share of the model) as backward and forward reach it."""
+
+    elements: int
+    ready: float
+    """Share of backward's work done when its gradient is final (a tied embedding: 1, at the
+    end, though the decoder's product that also feeds it comes first)."""
+    needed: float
+    """Share of forward's work done before forward first uses it."""
+
+
+def uniform_layout(params: int, groups: int = 64) -> tuple[Grad, ...]:
+    """Without a model: the parameters spread evenly over backward and forward."""
+    return tuple(Grad(params // groups + (i < params % groups), (i + 1) / groups,
+                      1 - (i + 1) / groups) for i in range(groups))
 
 
 def collectives(stage: int, params: int, *, comm_bytes: int, weight_bytes: int,
                 overlap: Overlap, reduce_bucket: int, allgather_bucket: int,
                 prefetch_bucket: int = 50_000_000, allreduce_bucket: int = ALLREDUCE_BUCKET,
-                zero3_gathers: int = 2) -> list[Collective]:
-    """What one optimizer step sends at `stage` (module docstring); bucket sizes in elements."""
-    def n(bucket: int) -> int:
-        return max(1, ceil(params / max(bucket, 1)))
+                zero3_gathers: int = 2, layout: tuple[Grad, ...] = (),
+                gloo: bool = False) -> list[Collective]:
+    """What one optimizer step sends at `stage` (module docstring); bucket sizes in elements.
+    `layout`: the parameters in backward order (default: spread evenly); `gloo`: gloo's
+    reduce-scatter, which moves an all-reduce's bytes (measured: docs/plan.md)."""
+    lay = layout or uniform_layout(params)
+
+    def n(bucket: int) -> int:  # calls, as the parameters are cut into buckets
+        return len(cut_buckets(lay, max(bucket, 1)))
 
     grads, weights = comm_bytes * params, weight_bytes * params
+    scatter_rounds = 2 if gloo else 0
     if stage == 0:
         return [Collective("all-reduce", "gradients", grads, n(allreduce_bucket), False,
-                           "backward", overlap.reduce)]
-    gather = Collective("all-gather", "weights", weights, n(allgather_bucket), False, "step",
-                        overlap.gather)
+                           "backward", overlap.reduce, lay, allreduce_bucket)]
     if stage in (1, 2):
-        return [Collective("all-reduce", "gradients", grads, n(reduce_bucket), stage == 2,
-                           "backward", overlap.reduce), gather]
+        k = overlap.scatter_pieces
+        reduce = (Collective("reduce-scatter", "gradients", grads, k, stage == 2, "backward",
+                             overlap.reduce, lay, 0, k, scatter_rounds) if k else
+                  Collective("all-reduce", "gradients", grads, n(reduce_bucket), stage == 2,
+                             "backward", overlap.reduce, lay, reduce_bucket))
+        k = overlap.gather_chunks
+        gather = (Collective("all-gather", "weights", weights, k, False, "forward", True, lay,
+                             0, k) if k else
+                  Collective("all-gather", "weights", weights, n(allgather_bucket), False,
+                             "step", overlap.gather))
+        return [reduce, gather]
     out = [Collective("all-gather", "weights", weights, n(prefetch_bucket), True, "forward",
-                      overlap.gather)]
+                      overlap.gather, lay, prefetch_bucket)]
     if zero3_gathers > 1:
         out.append(Collective("all-gather", "weights", weights, n(prefetch_bucket), True,
                               "backward", overlap.gather))
     out.append(Collective("reduce-scatter", "gradients", grads, n(reduce_bucket), True,
-                          "backward", overlap.reduce))
+                          "backward", overlap.reduce, lay, reduce_bucket, 0, scatter_rounds))
     return out
 
 
@@ -218,7 +296,7 @@ def collective_ms(c: Collective, nodes: int, per_node: int, link: Link) -> float
     """Time of all of `c`'s buckets once (module docstring: hierarchical rings)."""
     if nodes * per_node <= 1:
         return 0.0
-    rounds = 2 if c.kind == "all-reduce" else 1
+    rounds = c.rounds or (2 if c.kind == "all-reduce" else 1)
     g, m = per_node, nodes
     seconds = rounds * ((g - 1) / g * c.nbytes / (link.intra_gbps * 1e9 / 8)
                         + (m - 1) / m * c.nbytes / (link.inter_gbps * 1e9 / 8))
@@ -237,6 +315,110 @@ def exposed_ms(comm_ms: float, window_ms: float, buckets: int) -> float:
     return max(comm_ms / b, comm_ms - window_ms * (b - 1) / b)
 
 
+def _spans(layout: tuple[Grad, ...]) -> tuple[list[int], list[Grad]]:
+    """The parameters in registration order (the flat buffer's: backward's reversed) and the
+    start of each in it, plus the end."""
+    flat = list(reversed(layout))
+    starts = [0]
+    for g in flat:
+        starts.append(starts[-1] + g.elements)
+    return starts, flat
+
+
+def _touching(starts: list[int], flat: list[Grad], lo: float, hi: float) -> list[Grad]:
+    i = max(0, bisect_right(starts, lo) - 1)
+    out = []
+    while i < len(flat) and starts[i] < hi:
+        out.append(flat[i])
+        i += 1
+    return out
+
+
+def partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int
+                     ) -> list[tuple[float, float, float]]:
+    """Bucket (or chunk) c = piece c of every rank's partition of the flat buffer:
+    [(share of the tensor, ready: its last gradient's, needed: its first weight's)]."""
+    starts, flat = _spans(layout)
+    total, out = starts[-1], []
+    for c in range(pieces):
+        groups = []
+        for r in range(world):
+            lo = total * (r / world + c / (world * pieces))
+            groups += _touching(starts, flat, lo, lo + total / (world * pieces))
+        out.append((1 / pieces, max(g.ready for g in groups), min(g.needed for g in groups)))
+    return out
+
+
+def cut_buckets(layout: tuple[Grad, ...], size: int) -> list[tuple[float, float, float]]:
+    """Buckets of about `size` elements in backward order, as app/runtime/overlap.py cuts them
+    (a parameter larger than a bucket is one alone): [(share, ready, needed)]."""
+    total = sum(g.elements for g in layout) or 1
+    out, filled, members = [], 0, []
+    for g in layout:
+        if members and filled + g.elements > size:
+            out.append(members)
+            members, filled = [], 0
+        members.append(g)
+        filled += g.elements
+    out.append(members)
+    return [(sum(g.elements for g in m) / total, max(g.ready for g in m),
+             min(g.needed for g in m)) for m in out if m]
+
+
+def schedule(c: Collective, world: int) -> list[tuple[float, float, float]]:
+    """`c`'s calls in the order they are launched: [(share of its bytes, ready, needed)]."""
+    if c.pieces:
+        return partition_pieces(c.layout, world, c.pieces)
+    size = c.bucket_elements or ceil(sum(g.elements for g in c.layout) / max(c.buckets, 1))
+    cut = cut_buckets(c.layout, size)
+    return cut if c.phase == "backward" else list(reversed(cut))  # forward: registration order
+
+
+def pipeline_exposed(calls: list[tuple[float, float]], window_ms: float) -> float:
+    """Backward: call b (ready at `ready_b` ms, `cost_b` ms on the link) starts when it is
+    ready and the link is free: finish_b = max(ready_b, finish_b-1) + cost_b; the step waits
+    for finish_last - the window's end."""
+    finish = 0.0
+    for ready, cost in calls:
+        finish = max(ready, finish) + cost
+    return max(0.0, finish - window_ms)
+
+
+def forward_stall(calls: list[tuple[float, float]]) -> float:
+    """Forward: every chunk launched when forward starts, back to back on the link; forward
+    stalls until chunk c is in when it first needs one of its weights (at `needed_c` ms of its
+    own work): the stall is the largest finish_c - needed_c."""
+    finish, stall = 0.0, 0.0
+    for needed, cost in calls:
+        finish += cost
+        stall = max(stall, finish - needed)
+    return stall
+
+
+def phase_exposed(hidden: list[Collective], phase: str, window_ms: float, nodes: int,
+                  per_node: int, link: Link) -> float:
+    """The exposed part of the overlapped collectives of a phase: the pipeline where they carry
+    a layout, else the closed form of `exposed_ms`."""
+    laid = [c for c in hidden if c.layout and (phase == "backward") == (c.phase == "backward")
+            and not (phase == "backward" and c.kind == "all-gather")]
+    rest = [c for c in hidden if c not in laid]
+    exposed = 0.0
+    if rest:
+        exposed += exposed_ms(sum(collective_ms(c, nodes, per_node, link) for c in rest),
+                              window_ms, sum(c.buckets for c in rest))
+    calls = []
+    for c in laid:
+        for share, ready, needed in schedule(c, nodes * per_node):
+            one = replace(c, nbytes=int(c.nbytes * share), buckets=1)
+            at = ready if phase == "backward" else needed
+            calls.append((at * window_ms, collective_ms(one, nodes, per_node, link)))
+    if calls and phase == "backward":
+        exposed += pipeline_exposed(sorted(calls, key=lambda x: x[0]), window_ms)
+    elif calls:
+        exposed += forward_stall(calls)
+    return exposed
+
+
 @dataclass(frozen=True)
 class StepTime:
     """One optimizer step on a network (milliseconds)."""
@@ -244,10 +426,13 @@ class StepTime:
     compute_ms: float
     """All micro steps' compute (forward, backward, optimizer) without communication."""
     comm_ms: float
-    """Every collective of the step, end to end, as if nothing overlapped."""
+    """Every collective of the step, end to end, as if nothing overlapped (with the core's CPU
+    work for them, `cpu_comm_ms`)."""
     exposed_comm_ms: float
     """The part of `comm_ms` the step waits for."""
     parts: list[dict[str, Any]] = field(default_factory=list)
+    cpu_comm_ms: float = 0.0
+    """The part of `exposed_comm_ms` that is the node's core working for the collectives."""
 
     @property
     def step_ms(self) -> float:
@@ -259,7 +444,9 @@ def step_time(colls: list[Collective], nodes: int, per_node: int, link: Link,
               backward_fraction: float = BACKWARD_FRACTION) -> StepTime:
     """Step time from the collectives and the compute of one optimizer step (`compute_ms`, all
     `grad_accum` micro steps). Overlapped collectives of a phase share its window of each micro
-    step (backward: `backward_fraction` of it); boundary ones use the last micro step's."""
+    step (backward: `backward_fraction` of it); boundary ones use the last micro step's; where
+    they carry a layout, the pipeline of `phase_exposed`. The CPU the node's core spends on the
+    step's bytes (`link.cpu_ms_per_mb`) is paid on top, overlapped or not."""
     micro = compute_ms / grad_accum
     windows = {"backward": micro * backward_fraction, "forward": micro * (1 - backward_fraction)}
     parts, total, exposed = [], 0.0, 0.0
@@ -268,11 +455,11 @@ def step_time(colls: list[Collective], nodes: int, per_node: int, link: Link,
         for phase in ("forward", "backward", "step"):
             here = [c for c in colls if c.phase == phase and (c.per_micro or last)]
             ms = [collective_ms(c, nodes, per_node, link) for c in here]
-            hidden = [(c, t) for c, t in zip(here, ms) if c.overlapped and phase in windows]
+            hidden = [c for c in here if c.overlapped and phase in windows]
             out = [t for c, t in zip(here, ms) if not (c.overlapped and phase in windows)]
             if hidden:
-                t_h, b_h = sum(t for _, t in hidden), sum(c.buckets for c, _ in hidden)
-                exposed += count * exposed_ms(t_h, windows[phase], b_h)
+                exposed += count * phase_exposed(hidden, phase, windows[phase], nodes, per_node,
+                                                 link)
             exposed += count * sum(out)
             total += count * sum(ms)
     for c in colls:
@@ -280,7 +467,8 @@ def step_time(colls: list[Collective], nodes: int, per_node: int, link: Link,
         parts.append({"kind": c.kind, "what": c.what, "bytes": c.nbytes, "buckets": c.buckets,
                       "per_micro_step": c.per_micro, "phase": c.phase, "overlapped": c.overlapped,
                       "ms_each": t, "times_per_step": grad_accum if c.per_micro else 1})
-    return StepTime(compute_ms, total, exposed, parts)
+    cpu = link.cpu_ms_per_mb * node_bytes(colls, nodes, grad_accum) / 1e6
+    return StepTime(compute_ms, total + cpu, exposed + cpu, parts, cpu)
 
 
 def node_bytes(colls: list[Collective], nodes: int, grad_accum: int = 1) -> int:
@@ -288,8 +476,8 @@ def node_bytes(colls: list[Collective], nodes: int, grad_accum: int = 1) -> int:
     sends 2(n-1)/n of the tensor, a reduce-scatter or all-gather (n-1)/n)."""
     if nodes <= 1:
         return 0
-    sent = sum((2 if c.kind == "all-reduce" else 1) * c.nbytes * (grad_accum if c.per_micro else 1)
-               for c in colls)
+    sent = sum((c.rounds or (2 if c.kind == "all-reduce" else 1)) * c.nbytes
+               * (grad_accum if c.per_micro else 1) for c in colls)
     return int(sent * (nodes - 1) / nodes)
 
 
@@ -328,6 +516,9 @@ class Job:
     zero3_gathers: int = 2
     """ZeRO-3 weight gathers per micro step: 2, or 1 when the weights stay gathered from forward
     to backward (the whole model within stage3_max_live_parameters)."""
+    layout: tuple[Grad, ...] = ()
+    """The parameters in backward order with where backward finishes and forward first uses
+    each (the planner's `backward_layout`); () spreads them evenly."""
 
     def __post_init__(self) -> None:
         if not self.compute_ms > 0:
@@ -353,7 +544,8 @@ class Job:
         return collectives(self.stage, self.params,
                            comm_bytes=DTYPE_BYTES[self.comm_dtype or self.precision],
                            weight_bytes=DTYPE_BYTES[self.precision], overlap=overlap,
-                           zero3_gathers=self.zero3_gathers, **b)
+                           zero3_gathers=self.zero3_gathers, layout=self.layout,
+                           gloo=self.device == "cpu", **b)
 
     def at(self, nodes: int) -> StepTime:
         return step_time(self.collectives(), nodes, self.per_node, self.link, self.compute_ms,

@@ -173,6 +173,9 @@ class PlanRequest:
     """The share of a micro step a gradient reduction can hide behind (backward)."""
     device_kind: str = "gpu"
     """Which rows of network.OVERLAPPED apply: "cpu" for DeepSpeed's CPU accelerator."""
+    net_cpu_ms_per_mb: float | None = None
+    """CPU ms a rank's core spends per MB its node sends (default: network.GLOO_CPU_MS_PER_MB
+    with --device-kind cpu, else 0)."""
 
     def __post_init__(self) -> None:
         self._check_network()
@@ -204,8 +207,10 @@ class PlanRequest:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise UserError(f"--{_flag(name)} {value}: must be positive")
-        if self.net_latency_us is not None and not self.net_latency_us >= 0:
-            raise UserError(f"--net-latency-us {self.net_latency_us}: must be 0 or more")
+        for name in ("net_latency_us", "net_cpu_ms_per_mb"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise UserError(f"--{_flag(name)} {value}: must be 0 or more")
         if not 0 <= self.overlap_fraction <= 1:
             raise UserError(f"--overlap-fraction {self.overlap_fraction}: must be in [0, 1]")
         if self.interconnect is not None and self.interconnect not in network.INTERCONNECTS:
@@ -398,6 +403,13 @@ def compute_ms(req: PlanRequest, micro: int, grad_accum: int, peak: float | None
     return 1000 * micro * grad_accum * req.seq_len * fpt / (req.mfu * peak * 1e12)
 
 
+def cpu_ms_per_mb(req: PlanRequest) -> float:
+    """--net-cpu-ms-per-mb, else gloo's measured cost on one core (CPU runs), else 0 (GPUs)."""
+    if req.net_cpu_ms_per_mb is not None:
+        return req.net_cpu_ms_per_mb
+    return network.GLOO_CPU_MS_PER_MB if req.device_kind == "cpu" else 0.0
+
+
 def network_job(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, net: NetworkSetup,
                 micro: int, grad_accum: int, compute: float | None,
                 comm_dtype: str) -> network.Job:
@@ -405,7 +417,9 @@ def network_job(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, net: Networ
     the communication itself does not depend on it)."""
     p = info.size.parameters
     return network.Job(
-        stage=setup.stage, params=p, per_node=req.per_node, link=net.link,
+        stage=setup.stage, params=p, per_node=req.per_node,
+        link=replace(net.link, cpu_ms_per_mb=cpu_ms_per_mb(req)),
+        layout=backward_layout(info, req.mask_prob),
         compute_ms=compute or 1.0, grad_accum=grad_accum, precision=req.precision,
         comm_dtype=comm_dtype, backward_fraction=req.overlap_fraction, device=req.device_kind,
         buckets={"reduce_bucket": setup.reduce_bucket, "allgather_bucket": setup.allgather_bucket,
@@ -423,6 +437,49 @@ def plan_network(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, stage: Sta
             if compute is not None else [])
     return StageNetwork(job, dtype, job.at(net.nodes), compute is not None, rows,
                         network.node_bytes(job.collectives(), net.nodes, req.grad_accum))
+
+
+_LAYOUTS: dict[tuple[int, float], tuple[network.Grad, ...]] = {}
+
+
+def backward_layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ...]:
+    """The trainable parameters in backward order (the reducer's), each with the share of
+    backward's work done when its gradient is final and the share of forward's done before its
+    first use. Work: a matrix's elements where a matmul uses it (an embedding lookup: none), the
+    tied MLM decoder on the masked share of tokens only (the sparse head); a weight used twice
+    (tied) is final after its last use in backward, the input embedding, at the very end."""
+    key = (id(info.config), mask_prob)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _layout(info, mask_prob)
+    return _LAYOUTS[key]
+
+
+def _layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ...]:
+    import torch
+
+    from app.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(info.config)
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    uses = []  # (param, work) in forward order, a tied weight once per module using it
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.requires_grad and p.numel() > 0:
+                matmul = p.dim() >= 2 and not isinstance(module, torch.nn.Embedding)
+                share = mask_prob if id(p) in lookups and info.objective == "mlm" else 1.0
+                uses.append((p, p.numel() * share if matmul else 0.0))
+    total = sum(w for _, w in uses) or 1.0
+    needed, ready, done = {}, {}, 0.0
+    for p, w in uses:
+        needed.setdefault(id(p), done / total)
+        done += w
+    done = 0.0
+    for p, w in reversed(uses):
+        done += w
+        ready[id(p)] = done / total  # the last use in backward wins
+    params = [p for p in model.parameters() if p.requires_grad and p.numel() > 0]
+    return tuple(network.Grad(p.numel(), ready[id(p)], needed[id(p)]) for p in reversed(params))
 
 
 HIDDEN_SHARE = 0.10
@@ -637,6 +694,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
                     "nodes": plan.net.nodes, "gpus_per_node": req.per_node,
                     "compute_from": "measured" if req.compute_ms else "mfu",
                     "overlap_fraction": req.overlap_fraction, "device_kind": req.device_kind,
+                    "net_cpu_ms_per_mb": cpu_ms_per_mb(req),
                     "recommendation": plan.net_reason},
     }
 
@@ -646,6 +704,7 @@ def _network_json(n: StageNetwork) -> dict[str, Any]:
     at, last = n.at_nodes, (n.scaling[-1] if n.scaling else {})
     return {"path": network.path_of(n.job.stage, n.job.precision), "comm_dtype": n.comm_dtype,
             "comm_ms": at.comm_ms, "exposed_comm_ms": at.exposed_comm_ms if n.timed else None,
+            "cpu_comm_ms": at.cpu_comm_ms,
             "step_ms": at.step_ms if n.timed else None,
             "compute_ms": at.compute_ms if n.timed else None,
             "tokens_per_sec": last.get("tokens_per_sec"), "efficiency": last.get("efficiency"),
@@ -819,6 +878,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     a("--device-kind", default="gpu", choices=("gpu", "cpu"), help="which overlap assumptions "
       "apply: cpu for DeepSpeed's CPU accelerator (a simulated cluster), whose side streams are "
       "no-ops (default gpu)")
+    a("--net-cpu-ms-per-mb", type=float, metavar="MS", help="CPU ms a rank's own core spends "
+      "per MB its node sends, taken from compute (default: "
+      f"{network.GLOO_CPU_MS_PER_MB:g}, gloo's measured, with --device-kind cpu; else 0)")
 
 
 def run(args: argparse.Namespace) -> int:

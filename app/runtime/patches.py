@@ -97,8 +97,10 @@ def share_fp32_partitions(engine) -> int:
 def local_zero1_reduction(optimizer) -> None:
     """ZeRO-1 (DeepSpeedZeroOptimizer, gradients in `param.grad`): its reduction at the boundary
     keeps everything but the collective. The app's reducer has already summed every rank's
-    gradient into `param.grad` during backward; DeepSpeed then divides by the world size, as
-    before its all-reduce, and moves this rank's slice into its partition, now a local copy.
+    gradient into `param.grad` during backward (its reduce-scatter, PartitionReducer: only the
+    slices in this rank's partition, the only ones read here); DeepSpeed then divides by the
+    world size, as before its all-reduce, and moves this rank's slice into its partition, now a
+    local copy.
 
     Every gradient collective of ZeRO-1 goes through `allreduce_bucket` (the bucketed
     reduce-scatter path, `reduce_scatter: true`) or `gradient_reduction_w_predivide` (`false`);

@@ -1,6 +1,7 @@
-"""The app's gradient reducer (app/runtime/overlap.py): gradients are all-reduced in buckets while
-backward still runs, at ZeRO-0 and ZeRO-1, on the boundary micro step only, and the result is
-what DeepSpeed's own (after-backward) reduction gives; the communication dtype is a flag."""
+"""The app's gradient reducer (app/runtime/overlap.py): gradients are all-reduced (ZeRO-0) or
+reduce-scattered into the ranks' partitions (ZeRO-1) in buckets while backward still runs, on the
+boundary micro step only, and the result is what DeepSpeed's own (after-backward) reduction
+gives; the communication dtype is a flag."""
 from __future__ import annotations
 
 import json

@@ -52,8 +52,8 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
 def overlap_reduction(engine) -> str:
     """Reduce gradients during backward where DeepSpeed would reduce them after it (ZeRO-0;
     ZeRO-1 with gradients in `param.grad` or BF16_Optimizer's buffer, reduce-scattered): the
-    app's bucketed reducers (app.runtime.overlap) take the boundary's reduction over. Returns how this run reduces its gradients, and why, for the
-    start-up line and config.json."""
+    app's bucketed reducers (app.runtime.overlap) take the boundary's reduction over. Returns
+    how this run reduces its gradients, and why, for the start-up line and config.json."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

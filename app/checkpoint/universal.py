@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from app.runtime import gather as param_gather
 from data_tools import output
 from data_tools.errors import UserError
 
@@ -332,6 +333,7 @@ def read_info(tag_dir: Path) -> dict[str, Any]:
 def load(engine, tag_dir: Path) -> dict[str, Any]:
     """Put a universal checkpoint's weights, moments, step and LR schedule into `engine`, of
     whatever stage, world size, precision and offload; return the train state."""
+    param_gather.flush(engine)  # a rollback: no step's late weight gather over the loaded ones
     info = read_info(tag_dir)
     try:
         tensors = torch.load(tag_dir / STATE_FILE, map_location="cpu", mmap=True,

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from app.runtime import gather
 from app.runtime.device import device_ordinal
 from app.runtime.ops import load_op, optimizer_op
 from app.runtime.overlap import (ALL_REDUCE_ENV, GradReducer, PartitionReducer, flat_group,
@@ -46,6 +47,9 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     local_fp32_clipping(engine)
     engine.app_sync_free = sync_free_steps(engine)
     engine.app_grad_reduction = overlap_reduction(engine)
+    gathered = gather.install(engine)  # ZeRO-1's weight all-gather during the next forward
+    if gathered:
+        engine.app_grad_reduction += f"; {gathered}"
     return engine
 
 

@@ -1,0 +1,277 @@
+"""ZeRO-1's weight all-gather, overlapped with the next forward (Megatron's overlapped
+parameter gather).
+
+After its optimizer step, DeepSpeed's ZeRO-1 (`DeepSpeedZeroOptimizer.step` in fp32,
+`BF16_Optimizer.update_lp_params` in bf16) all-gathers every rank's updated partition into the
+flat weight buffers (`all_gather_dp_groups`) and blocks until it is done: half an all-reduce's
+bytes, exposed every step (issue 21). Here that call launches the same bytes asynchronously
+(gloo's threads on CPU, NCCL's stream on GPU: no host sync), cut into chunks, and returns; a
+forward pre-hook on each module that owns parameters waits only for the chunks holding them.
+
+Chunk order. A flat buffer is in parameter order, the order forward reads the weights, and rank
+r's partition is flat[r*P:(r+1)*P]. An all-gather moves an equal piece of every partition, so
+chunk c is piece c (elements [c*S, (c+1)*S)) of every partition, of every parameter group, and
+the chunks are launched c = 0, 1, ...: forward reads partition 0 first, whose pieces then arrive
+in the order it reads them; by the time it reaches partition 1, every chunk was needed by
+partition 0 already and is in. No order does better: each chunk brings one piece of partition
+0, so forward cannot get past piece c of partition 0 before c + 1 chunks are in.
+
+Everything else that reads or writes the weights sees them complete: `flush()` waits for every
+chunk, and runs before the next optimizer step (its partition is the running gather's input),
+after each forward of the whole model (a parameter read outside its module's forward), before a
+checkpoint save or load, a state_dict, and at exit. Tied weights: the first module to use one
+waits; the later ones find its chunks done. Only DeepSpeed's ZeRO-1 (fp32 and bf16) with more
+than one data-parallel rank, no offload, no MoE or pipeline; elsewhere DeepSpeed's own gather.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import time
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from app.runtime.overlap import bucket_elements
+
+# Test switches (tests/test_param_gather.py): a file each rank appends its gather's events to;
+# DeepSpeed's own blocking gather instead (the reference the overlapped one must equal)
+TRACE_ENV = "DSPRETRAIN_TEST_GATHER_TRACE"
+OFF_ENV = "DSPRETRAIN_TEST_NO_PARAM_GATHER"
+_ACTIVE: dict[str, "ParamGather | None"] = {"gather": None}
+
+
+def switched_off() -> bool:
+    return os.environ.get(OFF_ENV, "") not in ("", "0")
+
+
+def piece_elements(partition: int, chunks: int, alignment: int) -> int:
+    """Elements of one piece: the partition in `chunks` pieces, each start aligned as DeepSpeed
+    aligns its own shards (NCCL)."""
+    size = -(-partition // chunks)
+    return max(alignment, -(-size // alignment) * alignment)
+
+
+class ParamGather:
+    """The chunked, asynchronous all-gather of one optimizer's flat weight buffers (module
+    docstring). `flats`: the flat buffers; `partitions`: each one's per-rank views; `groups`:
+    each one's data-parallel process group; `chunks`: how many (default: about one of the
+    gradient reducer's buckets each)."""
+
+    def __init__(self, module: torch.nn.Module, flats: list[torch.Tensor],
+                 partitions: list[list[torch.Tensor]], groups: list, alignment: int,
+                 chunks: int | None = None):
+        self.flats, self.partitions, self.groups = flats, partitions, groups
+        self.rank = [dist.get_rank(group=g) for g in groups]
+        total = sum(f.numel() for f in flats)
+        world = len(partitions[0])
+        # a chunk about the size of one of the reducer's buckets (app.runtime.overlap)
+        self.chunks = chunks or max(1, min(max(p[0].numel() for p in partitions),
+                                           -(-total // bucket_elements(total))))
+        self.sizes = [piece_elements(p[0].numel(), self.chunks, alignment) for p in partitions]
+        self.works: list[list] = []  # per launched chunk: its collectives, until waited for
+        self.done: set[int] = set()
+        self.trace_path = os.environ.get(TRACE_ENV)
+        self.events: list[tuple[str, int, float]] = []
+        self.world = world
+        self._hooks = self._install_hooks(module)
+
+    def describe(self) -> str:
+        return f"the step's all-gather of the weights runs during the next forward, in " \
+               f"{self.chunks} chunk(s) (each module waits for its own weights' chunks)"
+
+    # -- the chunks ---------------------------------------------------------------------------
+
+    def pieces(self, g: int, c: int) -> list[torch.Tensor]:
+        """Piece c of every partition of group g (empty when the partition is shorter)."""
+        part = self.partitions[g]
+        start = min(c * self.sizes[g], part[0].numel())
+        length = min(self.sizes[g], part[0].numel() - start)
+        return [p.narrow(0, start, length) for p in part]
+
+    def launch(self) -> None:
+        """Every chunk's all-gather, in chunk order, without waiting."""
+        self.flush()
+        self.done = set()
+        for c in range(self.chunks):
+            works = []
+            for g, group in enumerate(self.groups):
+                views = self.pieces(g, c)
+                if views[0].numel():
+                    works.append(dist.all_gather(views, views[self.rank[g]], group=group,
+                                                 async_op=True))
+            self.works.append(works)
+            self._event("launch", c)
+
+    def wait(self, chunks) -> None:
+        for c in chunks:
+            if c < len(self.works) and c not in self.done:
+                for work in self.works[c]:
+                    work.wait()
+                self.done.add(c)
+                self._event("done", c)
+
+    def flush(self) -> None:
+        """Wait for every chunk in flight: the weights are whole after it."""
+        if self.works:
+            self.wait(range(len(self.works)))
+            self.works, self.done = [], set()
+            self._write_trace()
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def chunks_of(self, param: torch.nn.Parameter) -> set[int]:
+        """The chunks that hold any element of `param` (none if it is in no flat buffer)."""
+        for g, flat in enumerate(self.flats):
+            if param.dtype != flat.dtype or param.device != flat.device:
+                continue
+            start = (param.data_ptr() - flat.data_ptr()) // flat.element_size()
+            if not 0 <= start < flat.numel():
+                continue
+            end, size, width = start + param.numel(), self.sizes[g], self.partitions[g][0].numel()
+            found: set[int] = set()
+            for r in range(self.world):
+                lo, hi = max(start, r * width), min(end, (r + 1) * width)
+                if lo < hi:
+                    found.update(range((lo - r * width) // size, (hi - 1 - r * width) // size + 1))
+            return found
+        return set()
+
+    def _install_hooks(self, module: torch.nn.Module) -> list:
+        hooks = []
+        for sub in module.modules():
+            needed = set().union(*(self.chunks_of(p) for p in sub.parameters(recurse=False)))
+            if needed:
+                hooks.append(sub.register_forward_pre_hook(self._waiter(sorted(needed))))
+        hooks.append(module.register_forward_pre_hook(lambda *_: self._forward_starts()))
+        hooks.append(module.register_forward_hook(lambda *_: self.flush()))
+        return hooks
+
+    def _waiter(self, chunks: list[int]) -> Callable:
+        def wait_for_weights(*_):
+            self.wait(chunks)
+        return wait_for_weights
+
+    def _forward_starts(self) -> None:
+        """Trace only: which chunks are still in flight as forward begins."""
+        if self.trace_path and self.works:
+            self._event("forward", -1)
+            self.events += [("in_flight", c, time.perf_counter())
+                            for c, works in enumerate(self.works)
+                            if c not in self.done and not all(w.is_completed() for w in works)]
+
+    def _event(self, kind: str, chunk: int) -> None:
+        if self.trace_path:
+            self.events.append((kind, chunk, time.perf_counter()))
+
+    def _write_trace(self) -> None:
+        if self.trace_path and self.events:
+            with open(f"{self.trace_path}.rank{dist.get_rank()}", "a") as f:
+                f.write(json.dumps({"chunks": self.chunks, "events": self.events}) + "\n")
+        self.events = []
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+# -- installing it on an engine --------------------------------------------------------------------
+
+def install(engine) -> str | None:
+    """Overlap the step's weight all-gather with the next forward where DeepSpeed's ZeRO-1
+    gathers them (fp32: DeepSpeedZeroOptimizer; bf16: BF16_Optimizer) over more than one rank,
+    without offload, MoE, pipeline or sequence parallelism. Returns what it did (for the
+    start-up `gradients:` line), None where DeepSpeed's own gather stays."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    if (switched_off() or engine.dp_world_size == 1 or engine.zero_optimization_stage() != 1
+            or getattr(engine, "has_moe_layers", False) or engine.pipeline_parallelism
+            or getattr(engine, "sequence_parallel_size", 1) > 1):
+        return None
+    if isinstance(opt, DeepSpeedZeroOptimizer) and not opt.partition_gradients \
+            and not opt.cpu_offload:
+        flats, partitions = opt.bit16_groups_flat, opt.parallel_partitioned_bit16_groups
+    elif isinstance(opt, BF16_Optimizer):
+        flats, partitions = opt.bf16_groups_flat, opt.bf16_partitioned_groups
+    else:
+        return None
+    if any(len({p.numel() for p in part}) != 1 for part in partitions):
+        return None  # unequal partitions: not one all-gather (DeepSpeed pads them equal)
+    gather = ParamGather(engine.module, flats, partitions, list(opt.real_dp_process_group),
+                         opt.nccl_start_alignment_factor)
+    _install_dispatch()
+    opt.step = _launching(opt.step, gather)
+    for name in ("save_checkpoint", "load_checkpoint"):
+        setattr(engine, name, _flushing(getattr(engine, name), gather))
+    engine.module.state_dict = _flushing(engine.module.state_dict, gather)
+    engine.app_param_gather = gather
+    atexit.register(_flush_at_exit, weakref.ref(gather))
+    return gather.describe()
+
+
+def flush(engine) -> None:
+    """Wait for `engine`'s weights, if a gather of them is in flight (any engine)."""
+    gather = getattr(engine, "app_param_gather", None)
+    if gather is not None:
+        gather.flush()
+
+
+def _launching(step: Callable, gather: ParamGather) -> Callable:
+    """The optimizer's step with its all-gather launched by `gather` (after the previous one is
+    in: its input, this rank's partition, is what the step updates)."""
+    @functools.wraps(step)
+    def step_and_launch(*args, **kwargs):
+        gather.flush()
+        _ACTIVE["gather"] = gather
+        try:
+            return step(*args, **kwargs)
+        finally:
+            _ACTIVE["gather"] = None
+    return step_and_launch
+
+
+def _flushing(method: Callable, gather: ParamGather) -> Callable:
+    @functools.wraps(method)
+    def with_whole_weights(*args, **kwargs):
+        gather.flush()
+        return method(*args, **kwargs)
+    return with_whole_weights
+
+
+def _flush_at_exit(ref) -> None:
+    """A gloo collective still running when the interpreter ends aborts the process."""
+    gather = ref()
+    if gather is not None and dist.is_initialized():
+        try:
+            gather.flush()
+        except RuntimeError:
+            pass  # a peer gone: the launcher ends the job anyway
+
+
+def _install_dispatch() -> None:
+    """DeepSpeed's `all_gather_dp_groups`, as its optimizer modules call it, launches the
+    chunked gather inside a step this module wrapped (for that optimizer's own buffers) and is
+    DeepSpeed's blocking one everywhere else (a checkpoint load's `update_lp_params`, other
+    engines). Once per process."""
+    from deepspeed.runtime import bf16_optimizer
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    for module in (bf16_optimizer, stage_1_and_2):
+        if not getattr(module.all_gather_dp_groups, "app_param_gather", False):
+            module.all_gather_dp_groups = _dispatching(module.all_gather_dp_groups)
+
+
+def _dispatching(original: Callable) -> Callable:
+    def all_gather_dp_groups(groups_flat, *args, **kwargs):
+        gather = _ACTIVE["gather"]
+        if gather is not None and groups_flat is gather.flats:
+            return gather.launch()
+        return original(groups_flat, *args, **kwargs)
+    all_gather_dp_groups.app_param_gather = True
+    return all_gather_dp_groups

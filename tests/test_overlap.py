@@ -1,6 +1,7 @@
-"""The app's gradient reducer (app/runtime/overlap.py): gradients are all-reduced in buckets while
-backward still runs, at ZeRO-0 and ZeRO-1, on the boundary micro step only, and the result is
-what DeepSpeed's own (after-backward) reduction gives; the communication dtype is a flag."""
+"""The app's gradient reducer (app/runtime/overlap.py): gradients are all-reduced (ZeRO-0) or
+reduce-scattered into the ranks' partitions (ZeRO-1) in buckets while backward still runs, on the
+boundary micro step only, and the result is what DeepSpeed's own (after-backward) reduction
+gives; the communication dtype is a flag."""
 from __future__ import annotations
 
 import json
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 from app.runtime.ds_config import fill_auto, load_ds_config, zero_config_path
-from app.runtime.overlap import (MIN_BUCKET_ELEMENTS, OFF_ENV, TRACE_ENV, bucket_elements,
-                                 buckets_in_backward_order)
+from app.runtime.overlap import (ALL_REDUCE_ENV, MIN_BUCKET_ELEMENTS, OFF_ENV, TRACE_ENV,
+                                 FlatGroup, bucket_elements, buckets_in_backward_order,
+                                 partition_buckets)
 from data_tools.errors import UserError
-from tests.helpers import TINY, check, launch, train_losses
+from tests.helpers import TINY, check, launch, metrics, train_losses
 
 STEPS = 3
 # 2 ranks x micro 4 x grad accum 2; dropout 0 so the two paths compare step by step
@@ -32,6 +34,19 @@ def test_buckets_follow_backward_order_and_scale_with_the_model():
     assert bucket_elements(10_000) == MIN_BUCKET_ELEMENTS
     assert bucket_elements(40_000_000) == 5_000_000
     assert bucket_elements(10**10) == 25 * 2**20 // 4  # DDP's 25 MB of fp32 at most
+
+
+def test_partition_buckets_cut_every_partition_into_the_same_pieces():
+    """2 ranks, a flat of 12 (10 elements of parameters and 2 of padding), partitions of 6,
+    pieces of 4: bucket 0 holds elements [0, 4) and [6, 10), bucket 1 [4, 6) and [10, 12); a
+    parameter spanning pieces and partitions is cut at each boundary."""
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(7))
+    lengths, segments = partition_buckets([FlatGroup([a, b], [0, 3], 12)], 2, 8)
+    assert lengths == [4, 2]
+    assert segments[id(a)] == [(0, 0, 0, 0, 3)]  # (bucket, partition, at, start, length)
+    # b = elements 3..9: [3, 4) piece 0 of partition 0; [4, 6) piece 1; [6, 10) piece 0 of
+    # partition 1, at 1 x piece length (4) in bucket 0
+    assert segments[id(b)] == [(0, 0, 3, 0, 1), (1, 0, 0, 1, 2), (0, 1, 4, 3, 4)]
 
 
 @pytest.mark.parametrize("precision,flag,file_value,want", [
@@ -56,14 +71,25 @@ def test_a_flag_that_contradicts_the_file_is_one_line():
                   where=Path("x.json"), grad_comm_dtype="fp32")
 
 
-def _run(dataset: Path, out: Path, stage: int, monkeypatch, *extra: str, overlap: bool = True):
-    """A 2-rank run through the real launcher; overlapped runs trace their reducer."""
+def _run(dataset: Path, out: Path, stage: int, monkeypatch, *extra: str, overlap: bool = True,
+         all_reduce: bool = False, clip: bool = True):
+    """A 2-rank run through the real launcher; overlapped runs trace their reducer.
+    `all_reduce`: ZeRO-1 through the all-reduce reducer, not the reduce-scatter one; `clip`
+    False: ds_configs/zero{stage}.json with gradient clipping off."""
+    stage_args = ["--zero", stage]
+    if not clip:
+        ds = {**load_ds_config(zero_config_path(stage)), "gradient_clipping": 0.0}
+        path = out.parent / f"{out.name}-noclip.json"
+        path.write_text(json.dumps(ds))
+        stage_args = ["--ds-config", path]
     with monkeypatch.context() as env:
         if overlap:
             env.setenv(TRACE_ENV, str(out.parent / f"{out.name}.trace"))
         else:
             env.setenv(OFF_ENV, "1")
-        proc = check(launch("train", "--data", dataset, "--out", out, *COMMON, "--zero", stage,
+        if all_reduce:
+            env.setenv(ALL_REDUCE_ENV, "1")
+        proc = check(launch("train", "--data", dataset, "--out", out, *COMMON, *stage_args,
                             *extra))
     return proc
 
@@ -86,19 +112,25 @@ def _in_flight_during_backward(step: dict) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("stage,extra", [(0, []), (1, []), (1, ["--precision", "bf16"])],
-                         ids=["zero0", "zero1", "zero1-bf16"])
+@pytest.mark.parametrize("stage,extra,mode", [
+    (0, [], {}), (1, [], {}), (1, ["--precision", "bf16"], {"all_reduce": True}),
+    (1, ["--precision", "bf16"], {"clip": False})],
+    ids=["zero0", "zero1-scatter", "zero1-bf16-all-reduce", "zero1-bf16-scatter-noclip"])
 def test_buckets_are_in_flight_while_backward_runs_and_train_the_same_losses(
-        stage, extra, mlm_dataset, tmp_path, monkeypatch):
-    """ZeRO-0, ZeRO-1 (fp32: DeepSpeed's optimizer; bf16: BF16_Optimizer, whose fp32 gradients
-    are sent): the reducer's traces show buckets in flight during backward, and the losses are
-    those of DeepSpeed's own reduction after backward."""
+        stage, extra, mode, mlm_dataset, tmp_path, monkeypatch):
+    """ZeRO-0 (all-reduce), ZeRO-1 (fp32: DeepSpeed's optimizer; bf16: BF16_Optimizer, whose
+    fp32 gradients are sent; reduce-scattered into the partitions, or all-reduced): the
+    reducer's traces show buckets in flight during backward, and the losses are those of
+    DeepSpeed's own reduction after backward (the reduce-scatter: bit for bit; at bf16 without
+    clipping, which reads a norm summed in another order: test below)."""
     overlapped = tmp_path / "overlapped"
-    proc = _run(mlm_dataset, overlapped, stage, monkeypatch, *extra)
+    proc = _run(mlm_dataset, overlapped, stage, monkeypatch, *extra, **mode)
     assert "during backward" in proc.stderr  # the start-up line says how gradients are reduced
     engine = json.loads((overlapped / "config.json").read_text())["engine"]
     assert engine["communication_data_type"] == "torch.float32"
     assert "during backward" in engine["grad_reduction"]
+    scatter = stage == 1 and not mode.get("all_reduce")
+    assert ("reduce-scattered" in engine["grad_reduction"]) == scatter, engine["grad_reduction"]
     traces = _traces(overlapped)
     # observed, not only ordered: a launched bucket not yet complete when a later gradient came
     assert any(kind == "in_flight" for steps in traces for step in steps
@@ -111,11 +143,43 @@ def test_buckets_are_in_flight_while_backward_runs_and_train_the_same_losses(
             launched = [b for kind, b, _ in step["events"] if kind == "launch"]
             assert launched == list(range(step["buckets"]))  # every bucket, in order
     reference = tmp_path / "deepspeed"
-    _run(mlm_dataset, reference, stage, monkeypatch, *extra, overlap=False)
+    _run(mlm_dataset, reference, stage, monkeypatch, *extra, overlap=False,
+         clip=mode.get("clip", True))
     ref, got = train_losses(reference), train_losses(overlapped)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in ref:
-        assert got[step] == pytest.approx(ref[step], abs=1e-6), step
+        if scatter:  # 2 ranks: a + b either way, the same division after
+            assert got[step] == ref[step], step
+        else:
+            assert got[step] == pytest.approx(ref[step], abs=1e-6), step
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.timeout(1200)
+def test_bf16_reduce_scatter_clips_by_the_norm_of_the_partitions(mlm_dataset, tmp_path,
+                                                                 monkeypatch):
+    """BF16_Optimizer after a reduce-scatter: only the partitions are reduced, so the global
+    norm DeepSpeed clips by is summed from them across the ranks (patches.partitioned_bf16_norm)
+    instead of read from the whole, now partly unreduced, local gradient: the same norms and
+    losses as DeepSpeed's own reduction, to the rounding of fp32 norms taken over parts of a
+    gradient (patches.partitioned_bf16_norm: ~1e-5 of the norm; bf16 weights make that a few
+    ulps of loss; without clipping the losses are equal bit for bit, test above)."""
+    overlapped, reference = tmp_path / "overlapped", tmp_path / "deepspeed"
+    _run(mlm_dataset, overlapped, 1, monkeypatch, "--precision", "bf16")
+    _run(mlm_dataset, reference, 1, monkeypatch, "--precision", "bf16", overlap=False)
+    engine = json.loads((overlapped / "config.json").read_text())["engine"]
+    assert "reduce-scattered" in engine["grad_reduction"]
+    norms = [{m["step"]: m["train/grad_norm"] for m in metrics(run) if "train/grad_norm" in m}
+             for run in (reference, overlapped)]
+    assert sorted(norms[1]) == list(range(1, STEPS + 1))
+    assert norms[0][1] > 1.0  # clipping acts: the norm decides the update
+    for step in norms[0]:
+        assert norms[1][step] == pytest.approx(norms[0][step], rel=1e-4), step
+    ref, got = train_losses(reference), train_losses(overlapped)
+    assert got[1] == ref[1]
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
 
 
 @pytest.mark.slow
@@ -180,6 +244,76 @@ def test_a_gradient_accumulated_twice_in_one_backward_is_sent_whole():
 
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", SHARED_TWICE, port, str(rank)], cwd=REPO,
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "ok" in out, err[-2000:]
+
+
+SCATTER = r"""
+import os, sys, torch, torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+from app.runtime.overlap import PartitionReducer, flat_group
+rank = int(sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+torch.manual_seed(0)
+emb, shared, head = torch.nn.Embedding(30, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+order = [*emb.parameters(), *shared.parameters(), *head.parameters()]
+groups = []
+for params in (order[:2], order[2:]):  # as DeepSpeed: each group one flat buffer, padded
+    n = sum(p.numel() for p in params)
+    flat = torch.zeros(n + (-n) % 4 + 2)  # padding to an even length, and 2 more
+    at = 0
+    for p in params:
+        flat[at:at + p.numel()] = p.data.reshape(-1)
+        p.data = flat[at:at + p.numel()].view_as(p)
+        at += p.numel()
+    half = flat.numel() // 2
+    groups.append(flat_group(params, flat, [flat[:half], flat[half:]]))
+ids = torch.tensor([[1, 2, 3], [4, 5, 6]]) * (rank + 1)
+def loss():  # `shared` in two reentrant checkpointed regions: its hook fires twice
+    h = checkpoint(shared, emb(ids), use_reentrant=True)
+    return head(checkpoint(shared, h, use_reentrant=True)).pow(2).sum()
+loss().backward()
+want = [p.grad.clone() for p in order]
+for w in want:
+    dist.all_reduce(w)
+    w /= 2
+for p in order:
+    p.grad = None
+reducer = PartitionReducer(groups, order, group=None, world_size=2, comm_dtype=torch.float32,
+                           is_boundary=lambda: True, average=True, bucket_size=24)
+loss().backward()
+assert len(reducer.lengths) > 2 and reducer.stale, (reducer.lengths, reducer.stale)
+reducer.finish()
+for g in groups:  # this rank's partition is the average, bit for bit; the rest is its own
+    half = g.numel // 2
+    for p, at in zip(g.params, g.offsets):
+        w = want[[id(q) for q in order].index(id(p))].reshape(-1)
+        for i in range(p.numel()):
+            mine = (at + i) // half == rank
+            assert (p.grad.reshape(-1)[i] == w[i]) or not mine, (p.shape, i)
+dist.barrier()
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_the_partition_reducer_hands_each_rank_its_averaged_partition():
+    """PartitionReducer with two real ranks over gloo (its pairwise exchange): parameters that
+    span pieces, partitions and padded flat groups, one accumulated twice in a backward (its
+    buckets resent whole): each rank's partition of every gradient is the all-reduced average,
+    bit for bit."""
+    import subprocess
+    import sys
+
+    from app.runtime.dist import free_port
+    from tests.helpers import REPO, clean_env
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", SCATTER, port, str(rank)], cwd=REPO,
                               env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for rank in (0, 1)]
     for proc in procs:

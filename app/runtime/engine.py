@@ -13,13 +13,15 @@ import types
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from app.runtime import gather
 from app.runtime.device import device_ordinal
 from app.runtime.ops import load_op, optimizer_op
-from app.runtime.overlap import GradReducer, switched_off
-from app.runtime.patches import (local_fp32_clipping, local_zero1_reduction, share_fp32_partitions,
-                                 skip_lone_allreduce, sync_free_steps)
+from app.runtime.overlap import (ALL_REDUCE_ENV, GradReducer, PartitionReducer, flat_group,
+                                 switched_off)
+from app.runtime.patches import (local_fp32_clipping, local_zero1_reduction, partitioned_bf16_norm,
+                                 share_fp32_partitions, skip_lone_allreduce, sync_free_steps)
 from app.runtime.zero2_overlap import overlap_zero2
 
 
@@ -54,9 +56,9 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
 
 def overlap_reduction(engine) -> str:
     """Reduce gradients during backward where DeepSpeed would reduce them after it (ZeRO-0;
-    ZeRO-1 with gradients in `param.grad`): the app's bucketed reducer (app.runtime.overlap) takes
-    the boundary's reduction over. Returns how this run reduces its gradients, and why, for the
-    start-up line and config.json."""
+    ZeRO-1 with gradients in `param.grad` or BF16_Optimizer's buffer, reduce-scattered): the
+    app's bucketed reducers (app.runtime.overlap) take the boundary's reduction over. Returns
+    how this run reduces its gradients, and why, for the start-up line and config.json."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -72,6 +74,9 @@ def overlap_reduction(engine) -> str:
              and not opt.partition_gradients and not opt.overlap_comm and not opt.cpu_offload
              and not getattr(opt, "use_grad_accum_attribute", True))
     bf16 = isinstance(opt, BF16_Optimizer) and opt.immediate_grad_update
+    scatter = (zero1 or bf16) and not switched_off() and _scatter_reduction(engine, zero1, bf16)
+    if scatter:
+        return scatter
     if ((stage == 0 and not hasattr(opt, "get_grads_for_reduction")) or zero1 or bf16) \
             and not switched_off():
         reducer = GradReducer(engine.module.parameters(), group=engine.seq_data_parallel_group,
@@ -105,6 +110,39 @@ def overlap_reduction(engine) -> str:
     if stage < 2:
         return f"DeepSpeed's all-reduce in {dtype} after backward (not overlapped)"
     return f"DeepSpeed's ZeRO-{stage} reduce-scatter in {dtype} during backward"
+
+
+def _scatter_reduction(engine, zero1: bool, bf16: bool) -> str | None:
+    """ZeRO-1 (fp32 DeepSpeedZeroOptimizer, or BF16_Optimizer): the reducer reduce-scatters
+    each rank's partition during backward (app.runtime.overlap.PartitionReducer), half an
+    all-reduce's bytes; None where DeepSpeed's flat groups are not equal partitions of the data
+    parallel group (then the all-reduce reducer runs)."""
+    opt, group = engine.optimizer, engine.seq_data_parallel_group
+    if switched_off(ALL_REDUCE_ENV):
+        return None
+    if zero1:
+        pairs = zip(opt.round_robin_bit16_groups, opt.bit16_groups_flat,
+                    opt.parallel_partitioned_bit16_groups)
+    else:
+        pairs = zip(opt.bf16_groups, opt.bf16_groups_flat, opt.bf16_partitioned_groups)
+    groups = [flat_group(*pair) for pair in pairs]
+    if not groups or None in groups or any(
+            dist.get_world_size(g) != engine.dp_world_size for g in opt.real_dp_process_group):
+        return None
+    reducer = PartitionReducer(groups, list(engine.module.parameters()), group=group,
+                               world_size=engine.dp_world_size,
+                               comm_dtype=engine.communication_data_type,
+                               is_boundary=engine.is_gradient_accumulation_boundary,
+                               average=not zero1, grad_of=_fp32_grads(opt) if bf16 else None)
+    engine.app_grad_reducer = reducer
+    engine.allreduce_gradients = _reduce_at_boundary(engine, reducer, zero1)
+    if zero1:
+        local_zero1_reduction(opt)
+        return f"{reducer.describe()}; ZeRO-1 then copies its partition (its own collective " \
+               f"skipped); parameters all-gathered after the step"
+    partitioned_bf16_norm(opt, group)
+    return f"{reducer.describe()} from BF16_Optimizer's fp32 accumulation; gradient norm " \
+           f"summed over the partitions; parameters all-gathered after the step"
 
 
 def _fp32_grads(opt) -> Callable:

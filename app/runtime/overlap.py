@@ -12,13 +12,20 @@ the buckets and copies the result back into `param.grad`.
 Only the boundary micro step is reduced: the others accumulate locally, as DeepSpeed does. The
 buckets are launched strictly in order on every rank (a bucket waits for the ones before it),
 so ranks agree on the collectives' order whatever their hooks' timing.
+
+At ZeRO-1 each rank steps only its own partition of the flat gradient, so `PartitionReducer`
+reduce-scatters instead: (N-1)/N of the gradient leaves each rank, half an all-reduce's
+2(N-1)/N. Gloo's `reduce_scatter_tensor` moves an all-reduce's bytes (measured over loopback,
+torch 2.13: 2.0x the tensor either way), so on gloo the scatter is a pairwise exchange of the
+pieces (isend/irecv on the group's existing connections) summed on the owner in rank order;
+NCCL runs its own reduce-scatter.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,10 +39,12 @@ TARGET_BUCKETS = 8
 # DeepSpeed's own reduction instead of this one (the reference the overlapped path must equal)
 TRACE_ENV = "DSPRETRAIN_TEST_OVERLAP_TRACE"
 OFF_ENV = "DSPRETRAIN_TEST_NO_OVERLAP"
+# and the all-reduce reducer at ZeRO-1 instead of the reduce-scatter one (PartitionReducer)
+ALL_REDUCE_ENV = "DSPRETRAIN_TEST_ZERO1_ALL_REDUCE"
 
 
-def switched_off() -> bool:
-    return os.environ.get(OFF_ENV, "") not in ("", "0")
+def switched_off(env: str = OFF_ENV) -> bool:
+    return os.environ.get(env, "") not in ("", "0")
 
 
 def bucket_elements(total: int) -> int:
@@ -56,6 +65,13 @@ def buckets_in_backward_order(params: Iterable[torch.nn.Parameter],
         buckets[-1].append(p)
         filled += p.numel()
     return [b for b in buckets if b]
+
+
+def write_trace(path: str | None, buckets: int, events: list) -> None:
+    """One line per reduced step in the rank's trace file (tests/test_overlap.py)."""
+    if path:
+        with open(f"{path}.rank{dist.get_rank()}", "a") as f:
+            f.write(json.dumps({"buckets": buckets, "events": events}) + "\n")
 
 
 class GradReducer:
@@ -174,11 +190,253 @@ class GradReducer:
                 p.grad = reduced.to(p.dtype, copy=True)
 
     def _write_trace(self) -> None:
-        if not self.trace_path:
+        write_trace(self.trace_path, len(self.buckets), self.events)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+# -- ZeRO-1: reduce-scatter into the rank's own partition -----------------------------------------
+
+class Segment(NamedTuple):
+    """Part of a parameter's gradient inside one bucket: elements [start, start + length) of the
+    flattened gradient go to bucket position `at` (partition r's piece is at r x piece length)."""
+    bucket: int
+    partition: int
+    at: int
+    start: int
+    length: int
+
+
+class FlatGroup(NamedTuple):
+    """One of DeepSpeed's flat parameter groups: its parameters with their element offsets in
+    the flat buffer, and the flat's length (padded to a multiple of the world size)."""
+    params: list
+    offsets: list[int]
+    numel: int
+
+
+def flat_group(params: list, flat: torch.Tensor, partitions: list) -> FlatGroup | None:
+    """The layout of `params`, whose data DeepSpeed made views of `flat` (its padding between
+    and after them included); None unless `partitions` are equal consecutive slices of it all
+    (then a reduce-scatter's pieces line up with them)."""
+    size, part = flat.element_size(), partitions[0].numel()
+    if part * len(partitions) != flat.numel() or any(
+            q.numel() != part or q.data_ptr() != flat.data_ptr() + r * part * size
+            for r, q in enumerate(partitions)):
+        return None
+    offsets = [(p.data_ptr() - flat.data_ptr()) // size for p in params]
+    if any(o < 0 or o + p.numel() > flat.numel() for o, p in zip(offsets, params)):
+        return None
+    return FlatGroup(params, offsets, flat.numel())
+
+
+def partition_buckets(groups: list[FlatGroup], world_size: int, bucket_size: int):
+    """Buckets of equal pieces of every rank's partition: bucket (g, c) holds piece c (of
+    `bucket_size // world_size` elements) of each partition of group g, so a reduce-scatter of
+    it hands rank r piece c of its own partition. Returns each bucket's piece length and every
+    parameter's segments, bucket indices in (group, piece) order."""
+    piece = max(1, bucket_size // world_size)
+    lengths: list[int] = []
+    first: list[int] = []  # index of group g's piece 0
+    for group in groups:
+        part = group.numel // world_size
+        first.append(len(lengths))
+        lengths += [min(piece, part - c) for c in range(0, part, piece)]
+    segments: dict[int, list[Segment]] = {}
+    for g, group in enumerate(groups):
+        part = group.numel // world_size
+        for p, offset in zip(group.params, group.offsets):
+            pos, end = offset, offset + p.numel()
+            while pos < end:
+                r, within = divmod(pos, part)
+                c, at = divmod(within, piece)
+                n = min(end - pos, piece - at, part - within)
+                b = first[g] + c
+                segments.setdefault(id(p), []).append(
+                    Segment(b, r, r * lengths[b] + at, pos - offset, n))
+                pos += n
+    return lengths, segments
+
+
+def launch_order(lengths: list[int], segments: dict[int, list[Segment]],
+                 order: list) -> list[int]:
+    """Buckets by when backward completes them: a bucket is complete when the gradient it needs
+    that backward reaches last is in (backward runs the parameters in reverse registration
+    order). Ties keep (group, piece) order reversed: later pieces are later in the model."""
+    position = {id(p): i for i, p in enumerate(reversed(order))}
+    ready_at = [-1] * len(lengths)
+    for pid, segs in segments.items():
+        for seg in segs:
+            ready_at[seg.bucket] = max(ready_at[seg.bucket], position.get(pid, len(position)))
+    return sorted(range(len(lengths)), key=lambda b: (ready_at[b], -b))
+
+
+class PartitionReducer:
+    """ZeRO-1's gradients reduce-scattered in buckets during backward: each rank gets the sum
+    (or, `average`, the pre-divided sum) of its own partition only, written where DeepSpeed's
+    step reads it (`grad_of`: `param.grad`, or BF16_Optimizer's fp32 buffer); the rest of each
+    gradient stays this rank's own, unreduced, and must not be read after `finish`.
+
+    A bucket is piece c of every rank's partition of one flat group (`partition_buckets`), the
+    layout a reduce-scatter needs. What that costs: a bucket is complete only when its piece of
+    the FIRST partition is, and backward reaches the first partition (the first registered
+    parameters, the embeddings) last. With N ranks nothing can launch before backward has done
+    (N-1)/N of the flat, and a piece inside the embeddings waits for backward's end: at 2 ranks
+    the buckets overlap the second half of backward at best, and fewer of them the larger the
+    embeddings or N. Sending each piece to its owner as soon as it is ready would start earlier
+    but make all ranks send to one owner at a time (incast: (N-1)x slower links at scale).
+    Buckets are launched in the order backward completes them (`launch_order`), the same on
+    every rank.
+    """
+
+    def __init__(self, groups: list[FlatGroup], order: list, *, group, world_size: int,
+                 comm_dtype: torch.dtype, is_boundary: Callable[[], bool], average: bool,
+                 grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
+                 bucket_size: int | None = None):
+        self.group, self.world_size, self.comm_dtype = group, world_size, comm_dtype
+        self.is_boundary, self.average = is_boundary, average
+        self.grad_of = grad_of or (lambda p: p.grad)
+        self.rank = dist.get_rank(group)
+        self.peers = [r if group is None else dist.get_global_rank(group, r)
+                      for r in range(world_size)]
+        self.pairwise = dist.get_backend(group) == "gloo"
+        self.bucket_size = bucket_size or bucket_elements(sum(g.numel for g in groups))
+        lengths, segments = partition_buckets(groups, world_size, self.bucket_size)
+        new = {b: i for i, b in enumerate(launch_order(lengths, segments, order))}
+        self.lengths = [lengths[b] for b in sorted(new, key=new.get)]
+        self.segments = {pid: [seg._replace(bucket=new[seg.bucket]) for seg in segs]
+                         for pid, segs in segments.items()}
+        params = [p for g in groups for p in g.params if id(p) in self.segments]
+        self.members: list[list] = [[] for _ in self.lengths]  # (param, segment) per bucket
+        for p in params:
+            for seg in self.segments[id(p)]:
+                self.members[seg.bucket].append((p, seg))
+        self.needed = [len({id(p) for p, _ in m}) for m in self.members]
+        device = params[0].device
+        self.flats = [torch.zeros(world_size * n, dtype=comm_dtype, device=device)
+                      for n in self.lengths]  # padding stays zero
+        self.received = [torch.empty(world_size * n if self.pairwise else 0, dtype=comm_dtype,
+                                     device=device) for n in self.lengths]
+        self.outs = [torch.empty(n, dtype=comm_dtype, device=device) for n in self.lengths]
+        self.trace_path = os.environ.get(TRACE_ENV)
+        self._reset()
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+
+    def _reset(self) -> None:
+        self.filled: list[set[int]] = [set() for _ in self.lengths]
+        self.works: list[list] = []
+        self.stale: set[int] = set()
+        self.events: list[tuple[str, int, float]] = []
+
+    def describe(self) -> str:
+        how = "pairwise over gloo" if self.pairwise else "reduce_scatter"
+        return (f"{len(self.lengths)} bucket(s) of <= {self.bucket_size:,} elements, "
+                f"reduce-scattered ({how}) in {str(self.comm_dtype).removeprefix('torch.')} "
+                f"during backward: {self.world_size - 1}/{self.world_size} of the gradient "
+                f"sent, half an all-reduce")
+
+    # -- during backward ----------------------------------------------------------------------
+
+    def _ready(self, param: torch.nn.Parameter) -> None:
+        """A gradient is final for this backward: its pieces into their buckets; launch, in
+        order, the buckets that are complete."""
+        grad = self.grad_of(param) if self.is_boundary() else None
+        if grad is None:
             return
-        rank = dist.get_rank()
-        with open(f"{self.trace_path}.rank{rank}", "a") as f:
-            f.write(json.dumps({"buckets": len(self.buckets), "events": self.events}) + "\n")
+        for seg in self.segments[id(param)]:
+            if seg.bucket < len(self.works):  # accumulated again after its bucket was sent:
+                self.stale.add(seg.bucket)    # resent whole at finish (GradReducer)
+            else:
+                self._fill(seg, grad)
+                self.filled[seg.bucket].add(id(param))
+        if self.trace_path:
+            now = time.perf_counter()
+            self.events.append(("ready", self.segments[id(param)][0].bucket, now))
+            self.events += [("in_flight", b, now) for b, works in enumerate(self.works)
+                            if not all(w.is_completed() for w in works)]
+        self._launch_ready()
+
+    def _fill(self, seg: Segment, grad: torch.Tensor | None) -> None:
+        view = self.flats[seg.bucket].narrow(0, seg.at, seg.length)
+        if grad is None:
+            view.zero_()
+            return
+        src = grad.reshape(-1).narrow(0, seg.start, seg.length)
+        if not self.average:
+            view.copy_(src)
+        elif src.dtype == view.dtype:
+            torch.mul(src, 1.0 / self.world_size, out=view)
+        else:
+            view.copy_(src / self.world_size)
+
+    def _launch_ready(self) -> None:
+        while len(self.works) < len(self.lengths) and \
+                len(self.filled[len(self.works)]) == self.needed[len(self.works)]:
+            b = len(self.works)
+            self.works.append(self._send(b))
+            self.events.append(("launch", b, time.perf_counter()))
+
+    def _send(self, b: int) -> list:
+        """Start bucket b's reduce-scatter: NCCL's own; on gloo (whose reduce-scatter is an
+        all-reduce) each rank sends every other rank that rank's piece and receives its own."""
+        if not self.pairwise:
+            return [dist.reduce_scatter_tensor(self.outs[b], self.flats[b], group=self.group,
+                                               async_op=True)]
+        n, works = self.lengths[b], []
+        for r in range(self.world_size):
+            if r != self.rank:
+                works.append(dist.isend(self.flats[b].narrow(0, r * n, n), dst=self.peers[r],
+                                        group=self.group, tag=b))
+                works.append(dist.irecv(self.received[b].narrow(0, r * n, n),
+                                        src=self.peers[r], group=self.group, tag=b))
+        return works
+
+    # -- after backward -----------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Where DeepSpeed would reduce: gradients whose hook did not fire go in (zeros where
+        there is none), every bucket is waited for, and this rank's pieces are written back."""
+        self.events.append(("backward_end", -1, time.perf_counter()))
+        for b in range(len(self.works), len(self.lengths)):
+            for p, seg in self.members[b]:
+                if id(p) not in self.filled[b]:
+                    self._fill(seg, self.grad_of(p))
+                    self.filled[b].add(id(p))
+        self._launch_ready()
+        for b, works in enumerate(self.works):
+            for work in works:
+                work.wait()
+            self.events.append(("done", b, time.perf_counter()))
+            if b in self.stale:  # the same graph on every rank: the same stale buckets
+                for p, seg in self.members[b]:
+                    self._fill(seg, self.grad_of(p))
+                for work in self._send(b):
+                    work.wait()
+            self._copy_back(b, self._summed(b))
+        write_trace(self.trace_path, len(self.lengths), self.events)
+        self._reset()
+
+    def _summed(self, b: int) -> torch.Tensor:
+        """This rank's piece of bucket b, reduced: the ranks' pieces summed in rank order."""
+        if not self.pairwise:
+            return self.outs[b]
+        n = self.lengths[b]
+        pieces = [(self.flats[b] if r == self.rank else self.received[b]).narrow(0, r * n, n)
+                  for r in range(self.world_size)]
+        out = torch.add(pieces[0], pieces[1], out=self.outs[b])
+        for piece in pieces[2:]:
+            out.add_(piece)
+        return out
+
+    def _copy_back(self, b: int, reduced: torch.Tensor) -> None:
+        base = self.rank * self.lengths[b]
+        for p, seg in self.members[b]:
+            grad = self.grad_of(p)
+            if seg.partition == self.rank and grad is not None:
+                grad.view(-1).narrow(0, seg.start, seg.length).copy_(
+                    reduced.narrow(0, seg.at - base, seg.length))
 
     def remove(self) -> None:
         for handle in self._handles:

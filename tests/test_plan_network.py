@@ -111,27 +111,34 @@ def test_a_tied_embedding_ready_last_is_exposed():
 
 
 def test_gloo_reduce_scatter_moves_an_all_reduces_bytes_and_cpu_is_paid():
+    """The app's ZeRO-1 reduce-scatter is pairwise over gloo (one pass, as NCCL's); DeepSpeed's
+    ZeRO-3 reduce-scatter through gloo's own moves an all-reduce's bytes (two passes)."""
     over = Overlap(True, False, scatter_pieces=4, gather_chunks=4)
     colls = {dev: collectives(1, P, comm_bytes=4, weight_bytes=4, overlap=over,
                               reduce_bucket=400, allgather_bucket=1_000, gloo=dev == "cpu")
              for dev in ("gpu", "cpu")}
     assert [c.kind for c in colls["gpu"]] == ["reduce-scatter", "all-gather"]
     assert colls["gpu"][1].phase == "forward" and colls["gpu"][1].overlapped
-    assert node_bytes(colls["cpu"], 2) == 2 * 4_000 // 2 + 4_000 // 2  # gloo: 2 passes
+    assert node_bytes(colls["cpu"], 2) == 4_000 // 2 + 4_000 // 2  # pairwise: 1 pass
     assert node_bytes(colls["gpu"], 2) == 4_000 // 2 + 4_000 // 2
+    zero3 = {dev: collectives(3, P, comm_bytes=4, weight_bytes=4, overlap=Overlap(False, False),
+                              reduce_bucket=400, allgather_bucket=1_000, zero3_gathers=1,
+                              gloo=dev == "cpu")
+             for dev in ("gpu", "cpu")}
+    assert node_bytes(zero3["cpu"], 2) - node_bytes(zero3["gpu"], 2) == 4_000 // 2  # 2 passes
     link = Link(inter_gbps=8, cpu_ms_per_mb=1.5)
     t = network.step_time(colls["cpu"], 2, 1, link, compute_ms=100.0)
-    assert t.cpu_comm_ms == pytest.approx(1.5 * 6_000 / 1e6)
+    assert t.cpu_comm_ms == pytest.approx(1.5 * 4_000 / 1e6)
     assert t.exposed_comm_ms >= t.cpu_comm_ms and t.comm_ms >= t.exposed_comm_ms
 
 
 def test_weights_gathered_in_forward_hide_behind_it():
     kw = dict(params=110_000_000, nodes=2, net_gbps=25, compute_ms=300.0, precision="fp32")
-    step = predict_step(stage=1, **kw)
+    chunked = predict_step(stage=1, **kw)  # the table's ZeRO-1: gathered during forward
     base = network.OVERLAPPED[("zero1", "gpu")]
     try:
-        network.OVERLAPPED[("zero1", "gpu")] = base._replace(gather_chunks=8)
-        chunked = predict_step(stage=1, **kw)
+        network.OVERLAPPED[("zero1", "gpu")] = base._replace(gather=False, gather_chunks=0)
+        step = predict_step(stage=1, **kw)  # DeepSpeed's: the gather ends the step
     finally:
         network.OVERLAPPED[("zero1", "gpu")] = base
     gather = next(p["ms_each"] for p in step["collectives"] if p["kind"] == "all-gather")

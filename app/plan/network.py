@@ -11,11 +11,14 @@ does it with this repo's ds_configs (read from `engine.py`, `stage_1_and_2.py`, 
     ZeRO-0        all-reduce of the gradients (c x P) on the boundary micro step, in the app's
                   reducer's buckets during backward (app/runtime/overlap.py; DeepSpeed alone
                   reduces after backward, `buffered_allreduce_fallback`)
-    ZeRO-1        the same all-reduce through the app's reducer (DeepSpeed's own reduction
-                  becomes a local copy of the rank's partition), then an all-gather of the
-                  updated weights (w x P) in the step
+    ZeRO-1        a reduce-scatter of the gradients (c x P) into each rank's partition during
+                  backward, in buckets of equal pieces of every partition (the app's
+                  PartitionReducer: NCCL's reduce-scatter, pairwise isend/irecv over gloo;
+                  DeepSpeed's own reduction becomes a local copy), then an all-gather of the
+                  updated weights (w x P), launched by the step and waited for, chunk by chunk,
+                  during the next forward (app/runtime/gather.py)
     ZeRO-1 bf16   the same bytes: the reducer sends BF16_Optimizer's fp32 gradient buffer in c
-                  during backward, then the bf16 weights are all-gathered
+                  during backward, then the bf16 weights are all-gathered in the next forward
     ZeRO-2        the bucketed all-reduce every micro step (the gradients are partitioned as
                   they come), then the weight all-gather at the boundary
     ZeRO-3        every micro step: weight all-gathers in forward (and again in backward unless
@@ -44,6 +47,7 @@ What the step waits for (a pipeline, not a share of backward that hides everythi
                 TCP stack; Link.cpu_ms_per_mb, measured: GLOO_CPU_MS_PER_MB) is taken from
                 compute, overlapped or not: paid on top
     gloo        torch's gloo reduce-scatter moves an all-reduce's bytes (measured): two passes
+                (DeepSpeed's ZeRO-3 on CPU); the app's ZeRO-1 sends pairwise, one pass
 
 Each term and the measurements behind the constants: docs/plan.md, "What hides behind compute"
 and "The primitives, measured on the simulated cluster".
@@ -88,24 +92,27 @@ class Overlap(NamedTuple):
     weights); 0: the gather ends the step, exposed."""
 
 
-# What overlaps today, per (path, device kind): the one place the planner reads it. ZeRO-0 and
-# ZeRO-1 (fp32, and bf16 through BF16_Optimizer) reduce through the app's own reducer
-# (app/runtime/overlap.py): buckets all-reduced asynchronously while backward runs, on CPU (gloo's
-# threads) as on GPU; their parameter all-gather still ends the step. ZeRO-2 and ZeRO-3 keep
-# DeepSpeed's reduction: on the CPU accelerator its side streams are no-ops, so a reduction inside
-# a backward hook blocks it. Work in flight changes these rows (the integrator flips them as it
-# lands): ZeRO-1 reducing by reduce-scatter in equal pieces of each partition (scatter_pieces=8),
-# gathering its weights during the next forward (gather_chunks=8), ZeRO-2's buckets overlapped on
-# CPU (reduce=True on ("zero2", "cpu")).
+# What overlaps, per (path, device kind): the one place the planner reads it. ZeRO-0 reduces
+# through the app's all-reduce reducer (app/runtime/overlap.py GradReducer): buckets all-reduced
+# asynchronously while backward runs, on CPU (gloo's threads) as on GPU. ZeRO-1 (fp32, and bf16
+# through BF16_Optimizer) reduce-scatters equal pieces of every rank's partition during backward
+# (PartitionReducer: `scatter_pieces`, the reducer's bucket count, filled in by PlanSetup) and
+# gathers its updated weights in chunks during the next forward (app/runtime/gather.py:
+# `gather_chunks`). ZeRO-2 keeps DeepSpeed's buckets: on a GPU on its side stream
+# (`overlap_comm`), on CPU launched asynchronously by app/runtime/zero2_overlap.py (a bucket
+# holding the whole model cut to the reducer's size); its weight gather ends the step. ZeRO-3 is
+# DeepSpeed's: on the CPU accelerator its side streams are no-ops, so nothing overlaps there.
+PIECES = -1
+"""`scatter_pieces` / `gather_chunks` placeholder: as many as the app's reducer has buckets."""
 OVERLAPPED: dict[tuple[str, str], Overlap] = {
     ("zero0", "gpu"): Overlap(True, False),  # the app's reducer, during backward
     ("zero0", "cpu"): Overlap(True, False),
-    ("zero1", "gpu"): Overlap(True, False),  # the app's reducer; DeepSpeed's copy is local
-    ("zero1", "cpu"): Overlap(True, False),
-    ("zero1-bf16", "gpu"): Overlap(True, False),  # the reducer reads BF16_Optimizer's fp32 buffer
-    ("zero1-bf16", "cpu"): Overlap(True, False),
+    ("zero1", "gpu"): Overlap(True, True, PIECES, PIECES),  # reduce-scatter; gather in forward
+    ("zero1", "cpu"): Overlap(True, True, PIECES, PIECES),
+    ("zero1-bf16", "gpu"): Overlap(True, True, PIECES, PIECES),  # from BF16_Optimizer's buffer
+    ("zero1-bf16", "cpu"): Overlap(True, True, PIECES, PIECES),
     ("zero2", "gpu"): Overlap(True, False),  # overlap_comm on its reduction stream
-    ("zero2", "cpu"): Overlap(False, False),
+    ("zero2", "cpu"): Overlap(True, False),  # app/runtime/zero2_overlap.py
     ("zero3", "gpu"): Overlap(True, True),  # overlap_comm and the prefetch
     ("zero3", "cpu"): Overlap(False, False),
 }
@@ -272,8 +279,9 @@ def collectives(stage: int, params: int, *, comm_bytes: int, weight_bytes: int,
                            "backward", overlap.reduce, lay, allreduce_bucket)]
     if stage in (1, 2):
         k = overlap.scatter_pieces
+        # the app's reduce-scatter: NCCL's, or pairwise isend/irecv over gloo (one pass)
         reduce = (Collective("reduce-scatter", "gradients", grads, k, stage == 2, "backward",
-                             overlap.reduce, lay, 0, k, scatter_rounds) if k else
+                             overlap.reduce, lay, 0, k) if k else
                   Collective("all-reduce", "gradients", grads, n(reduce_bucket), stage == 2,
                              "backward", overlap.reduce, lay, reduce_bucket))
         k = overlap.gather_chunks
@@ -539,6 +547,14 @@ class Job:
         reducer = b.pop("reducer_bucket", bucket_elements(self.params))
         if path in APP_REDUCER_PATHS and overlap.reduce:  # the app's reducer's buckets
             b["allreduce_bucket"] = b["reduce_bucket"] = reducer
+            pieces = ceil(self.params / reducer)
+            overlap = overlap._replace(
+                scatter_pieces=pieces if overlap.scatter_pieces == PIECES else
+                overlap.scatter_pieces,
+                gather_chunks=pieces if overlap.gather_chunks == PIECES else overlap.gather_chunks)
+        elif path == "zero2" and self.device == "cpu" and overlap.reduce \
+                and b["reduce_bucket"] >= self.params:  # zero2_overlap cuts a whole-model bucket
+            b["reduce_bucket"] = reducer
         elif path == "zero1-bf16":  # the engine's fallback reduces
             b["reduce_bucket"] = b.get("allreduce_bucket", ALLREDUCE_BUCKET)
         return collectives(self.stage, self.params,

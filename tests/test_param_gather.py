@@ -1,6 +1,7 @@
-"""ZeRO-1's weight all-gather overlapped with the next forward (app/runtime/gather.py): chunks in
+"""ZeRO-1/2's weight all-gather overlapped with the next forward (app/runtime/gather.py): chunks in
 forward order, each module waiting for its own weights' chunks only, and the same losses as
-DeepSpeed's blocking gather, across a save and a resume, in fp32 and bf16."""
+DeepSpeed's blocking gather, across a save and a resume, at ZeRO-1 in fp32 and bf16 and at
+ZeRO-2."""
 from __future__ import annotations
 
 import json
@@ -123,10 +124,12 @@ def _waited_in_forward(step: dict) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("extra", [[], ["--precision", "bf16"]], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("extra", [[], ["--precision", "bf16"], ["--zero", "2"]],
+                         ids=["fp32", "bf16", "zero2"])
 def test_the_weights_gather_during_the_next_forward_and_train_the_same_losses(
         extra, mlm_dataset, tmp_path, monkeypatch):
-    """ZeRO-1 at 2 ranks (fp32: DeepSpeedZeroOptimizer; bf16: BF16_Optimizer): every step's
+    """ZeRO-1 at 2 ranks (fp32: DeepSpeedZeroOptimizer; bf16: BF16_Optimizer), ZeRO-2 (its
+    buckets async on CPU: app/runtime/zero2_overlap.py): every step's
     gather chunks are launched by the step and waited for in the next forward, and the losses
     (train and eval), across a save, a resume and a rollback, are those of DeepSpeed's blocking
     gather."""

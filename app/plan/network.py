@@ -100,7 +100,7 @@ class Overlap(NamedTuple):
 # gathers its updated weights in chunks during the next forward (app/runtime/gather.py:
 # `gather_chunks`). ZeRO-2 keeps DeepSpeed's buckets: on a GPU on its side stream
 # (`overlap_comm`), on CPU launched asynchronously by app/runtime/zero2_overlap.py (a bucket
-# holding the whole model cut to the reducer's size); its weight gather ends the step. ZeRO-3 is
+# holding the whole model cut to the reducer's size); its weights gathered as ZeRO-1's. ZeRO-3 is
 # DeepSpeed's: on the CPU accelerator its side streams are no-ops, so nothing overlaps there.
 PIECES = -1
 """`scatter_pieces` / `gather_chunks` placeholder: as many as the app's reducer has buckets."""
@@ -111,8 +111,8 @@ OVERLAPPED: dict[tuple[str, str], Overlap] = {
     ("zero1", "cpu"): Overlap(True, True, PIECES, PIECES),
     ("zero1-bf16", "gpu"): Overlap(True, True, PIECES, PIECES),  # from BF16_Optimizer's buffer
     ("zero1-bf16", "cpu"): Overlap(True, True, PIECES, PIECES),
-    ("zero2", "gpu"): Overlap(True, False),  # overlap_comm on its reduction stream
-    ("zero2", "cpu"): Overlap(True, False),  # app/runtime/zero2_overlap.py
+    ("zero2", "gpu"): Overlap(True, True, 0, PIECES),  # overlap_comm; gather in forward
+    ("zero2", "cpu"): Overlap(True, True, 0, PIECES),  # app/runtime/zero2_overlap.py
     ("zero3", "gpu"): Overlap(True, True),  # overlap_comm and the prefetch
     ("zero3", "cpu"): Overlap(False, False),
 }
@@ -547,16 +547,15 @@ class Job:
         reducer = b.pop("reducer_bucket", bucket_elements(self.params))
         if path in APP_REDUCER_PATHS and overlap.reduce:  # the app's reducer's buckets
             b["allreduce_bucket"] = b["reduce_bucket"] = reducer
-            pieces = ceil(self.params / reducer)
-            overlap = overlap._replace(
-                scatter_pieces=pieces if overlap.scatter_pieces == PIECES else
-                overlap.scatter_pieces,
-                gather_chunks=pieces if overlap.gather_chunks == PIECES else overlap.gather_chunks)
         elif path == "zero2" and self.device == "cpu" and overlap.reduce \
                 and b["reduce_bucket"] >= self.params:  # zero2_overlap cuts a whole-model bucket
             b["reduce_bucket"] = reducer
         elif path == "zero1-bf16":  # the engine's fallback reduces
             b["reduce_bucket"] = b.get("allreduce_bucket", ALLREDUCE_BUCKET)
+        pieces = ceil(self.params / reducer)  # the reducer's buckets, the gather's chunks
+        overlap = overlap._replace(
+            scatter_pieces=pieces if overlap.scatter_pieces == PIECES else overlap.scatter_pieces,
+            gather_chunks=pieces if overlap.gather_chunks == PIECES else overlap.gather_chunks)
         return collectives(self.stage, self.params,
                            comm_bytes=DTYPE_BYTES[self.comm_dtype or self.precision],
                            weight_bytes=DTYPE_BYTES[self.precision], overlap=overlap,

@@ -1,8 +1,8 @@
-"""ZeRO-1's weight all-gather, overlapped with the next forward (Megatron's overlapped
+"""ZeRO-1/2's weight all-gather, overlapped with the next forward (Megatron's overlapped
 parameter gather).
 
-After its optimizer step, DeepSpeed's ZeRO-1 (`DeepSpeedZeroOptimizer.step` in fp32,
-`BF16_Optimizer.update_lp_params` in bf16) all-gathers every rank's updated partition into the
+After its optimizer step, DeepSpeed's ZeRO-1 and 2 (`DeepSpeedZeroOptimizer.step`; ZeRO-1 in bf16
+through `BF16_Optimizer.update_lp_params`) all-gathers every rank's updated partition into the
 flat weight buffers (`all_gather_dp_groups`) and blocks until it is done: half an all-reduce's
 bytes, exposed every step (issue 21). Here that call launches the same bytes asynchronously
 (gloo's threads on CPU, NCCL's stream on GPU: no host sync), cut into chunks, and returns; a
@@ -20,8 +20,9 @@ Everything else that reads or writes the weights sees them complete: `flush()` w
 chunk, and runs before the next optimizer step (its partition is the running gather's input),
 after each forward of the whole model (a parameter read outside its module's forward), before a
 checkpoint save or load, a state_dict, and at exit. Tied weights: the first module to use one
-waits; the later ones find its chunks done. Only DeepSpeed's ZeRO-1 (fp32 and bf16) with more
-than one data-parallel rank, no offload, no MoE or pipeline; elsewhere DeepSpeed's own gather.
+waits; the later ones find its chunks done. Only DeepSpeed's ZeRO-1 (fp32 and bf16) and ZeRO-2
+with more than one data-parallel rank, no offload, no MoE or pipeline; elsewhere DeepSpeed's own
+gather.
 """
 from __future__ import annotations
 
@@ -182,20 +183,20 @@ class ParamGather:
 # -- installing it on an engine --------------------------------------------------------------------
 
 def install(engine) -> str | None:
-    """Overlap the step's weight all-gather with the next forward where DeepSpeed's ZeRO-1
-    gathers them (fp32: DeepSpeedZeroOptimizer; bf16: BF16_Optimizer) over more than one rank,
+    """Overlap the step's weight all-gather with the next forward where DeepSpeed's ZeRO-1 or 2
+    gathers them (DeepSpeedZeroOptimizer; bf16 ZeRO-1: BF16_Optimizer) over more than one rank,
     without offload, MoE, pipeline or sequence parallelism. Returns what it did (for the
     start-up `gradients:` line), None where DeepSpeed's own gather stays."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     opt = engine.optimizer
-    if (switched_off() or engine.dp_world_size == 1 or engine.zero_optimization_stage() != 1
+    if (switched_off() or engine.dp_world_size == 1
+            or engine.zero_optimization_stage() not in (1, 2)
             or getattr(engine, "has_moe_layers", False) or engine.pipeline_parallelism
             or getattr(engine, "sequence_parallel_size", 1) > 1):
         return None
-    if isinstance(opt, DeepSpeedZeroOptimizer) and not opt.partition_gradients \
-            and not opt.cpu_offload:
+    if isinstance(opt, DeepSpeedZeroOptimizer) and not opt.cpu_offload:  # ZeRO-1 or 2
         flats, partitions = opt.bit16_groups_flat, opt.parallel_partitioned_bit16_groups
     elif isinstance(opt, BF16_Optimizer):
         flats, partitions = opt.bf16_groups_flat, opt.bf16_partitioned_groups

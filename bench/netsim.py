@@ -465,9 +465,11 @@ def measure(system: str, nodes: int, rate: int | None, args: argparse.Namespace,
         return {"tokens_per_sec": got["tokens_per_sec"], "step_time_ms": got["step_time_ms"]}
     from app.sweep.results import run_figures
 
+    # logged 4 times a run, as a user logs (every 10-100 steps), not every step: a log step's
+    # telemetry collectives cross the shaped link, which the DDP reference has none of
     train = ["--data", str(args.data), "--out", str(run_dir), *model_flags(args), "--zero",
              system[-1], "--max-steps", str(args.steps), "--log-every",
-             str(max(1, args.steps // 10)), "--eval-samples", "1", "--save-every", "0",
+             str(max(1, args.steps // 4)), "--eval-samples", "1", "--save-every", "0",
              "--wandb", "disabled", "--resume", "never", "--num-workers", "0", "--overwrite",
              *args.train_args]
     rc = run_app(nodes, 1, rate, args.delay_ms, train, 1, 1, args.timeout,

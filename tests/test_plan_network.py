@@ -303,12 +303,13 @@ def test_bad_network_flags_are_one_line(args, needle, one_line_error):
     one_line_error(needle)
 
 
-# Measured on the simulated cluster (docs/benchmarks.md "netsim scale", after the overlap work,
-# 2 repeats: the 1-node step of each stage as compute, the 2-node median step), fp32, one core a
-# node, the rate as the planner is given it (bench/netsim.py: times TCP's payload share)
+# Measured on the simulated cluster (docs/benchmarks.md "netsim scale, round 2", 2 repeats: the
+# 1-node step of each stage as compute, the 2-node median step), fp32, one core a node, the rate
+# as the planner is given it (bench/netsim.py: times TCP's payload share)
 MEASURED = [  # (stage, rate Mbit/s, 1-node step ms, 2-node step ms)
-    (0, 570, 127.5, 232.8), (1, 570, 143.0, 329.2), (0, 285, 127.5, 367.3),
-    (1, 285, 143.0, 546.7)]
+    (0, 984, 135.0, 198.8), (0, 492, 135.0, 255.1), (0, 246, 135.0, 411.8),
+    (1, 984, 158.8, 214.6), (1, 492, 158.8, 287.9), (1, 246, 158.8, 451.8),
+    (2, 984, 151.6, 235.0), (2, 492, 151.6, 342.4), (2, 246, 151.6, 542.9)]
 
 
 @pytest.mark.parametrize("stage,mbit,one,two", MEASURED)

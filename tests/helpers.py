@@ -34,6 +34,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def two_gloo_ranks(script: str, timeout: int = 120) -> None:
+    """`script` run by two real processes, `argv` = (master port, rank), which init a gloo
+    group themselves; each must exit 0 having printed "ok"."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", script, port, str(rank)], cwd=REPO,
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0 and "ok" in out, err[-2000:]
+
+
 def run_app(*args: str, timeout: int = 600, env: dict[str, str] | None = None
             ) -> subprocess.CompletedProcess:
     """`python -m app ARGS` in a fresh process (a world of one)."""

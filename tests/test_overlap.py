@@ -15,7 +15,7 @@ from app.runtime.overlap import (ALL_REDUCE_ENV, MIN_BUCKET_ELEMENTS, OFF_ENV, T
                                  FlatGroup, bucket_elements, buckets_in_backward_order,
                                  partition_buckets)
 from data_tools.errors import UserError
-from tests.helpers import TINY, check, launch, metrics, train_losses
+from tests.helpers import TINY, check, launch, metrics, train_losses, two_gloo_ranks
 
 STEPS = 3
 # 2 ranks x micro 4 x grad accum 2; dropout 0 so the two paths compare step by step
@@ -236,19 +236,7 @@ print("ok")
 def test_a_gradient_accumulated_twice_in_one_backward_is_sent_whole():
     """A parameter in two checkpointed regions gets its gradient in two accumulations: its
     bucket, sent after the first, is sent again whole (two real ranks over gloo)."""
-    import subprocess
-    import sys
-
-    from app.runtime.dist import free_port
-    from tests.helpers import REPO, clean_env
-
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", SHARED_TWICE, port, str(rank)], cwd=REPO,
-                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for rank in (0, 1)]
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and "ok" in out, err[-2000:]
+    two_gloo_ranks(SHARED_TWICE)
 
 
 SCATTER = r"""
@@ -306,16 +294,4 @@ def test_the_partition_reducer_hands_each_rank_its_averaged_partition():
     span pieces, partitions and padded flat groups, one accumulated twice in a backward (its
     buckets resent whole): each rank's partition of every gradient is the all-reduced average,
     bit for bit."""
-    import subprocess
-    import sys
-
-    from app.runtime.dist import free_port
-    from tests.helpers import REPO, clean_env
-
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", SCATTER, port, str(rank)], cwd=REPO,
-                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for rank in (0, 1)]
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and "ok" in out, err[-2000:]
+    two_gloo_ranks(SCATTER)

@@ -5,14 +5,12 @@ ZeRO-2."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from app.runtime.gather import OFF_ENV, TRACE_ENV, piece_elements
-from tests.helpers import TINY, check, launch, metrics, train_losses
+from tests.helpers import TINY, check, launch, metrics, train_losses, two_gloo_ranks
 
 HALF, STEPS = 3, 6
 # 2 ranks x micro 4 x grad accum 2; dropout 0 so the two paths compare step by step
@@ -73,16 +71,7 @@ def test_each_module_waits_for_its_own_chunks_and_the_forward_for_all():
     """Two real ranks over gloo: the chunks a parameter lies in (one piece of every partition a
     chunk), a module's forward waits for those only, and the whole forward leaves the weights
     whole: every rank's partition."""
-    from app.runtime.dist import free_port
-    from tests.helpers import REPO, clean_env
-
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", GATHER, port, str(rank)], cwd=REPO,
-                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for rank in (0, 1)]
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and "ok" in out, err[-2000:]
+    two_gloo_ranks(GATHER)
 
 
 def _train_with_resume(dataset: Path, out: Path, monkeypatch, *extra: str, overlap: bool):

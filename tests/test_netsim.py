@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,18 @@ def run_netsim(*args, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    """stdout of a run that exited 0; else its stderr's tail, after the lines that say why a
+    rank died (a gloo abort's `what():` sits far above the launchers' tracebacks)."""
+    if proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n" + "\n".join(why_lines(proc.stderr))
+                             + f"\n...\n{proc.stderr[-4000:]}")
     return proc.stdout
+
+
+def why_lines(stderr: str) -> list[str]:
+    """The first lines of a failed run's output that say why a rank died."""
+    keys = ("what()", "terminate called", "Error", "error:", "SIGABRT")
+    return [line for line in stderr.splitlines() if any(k in line for k in keys)][:20]
 
 
 def namespaces_of(pid: int) -> list[str]:
@@ -213,8 +224,17 @@ def test_the_links_are_shaped_to_the_rate(mlm_dataset, tmp_path):
     """One gloo all-reduce between 2 nodes sends its bytes over the link once each way: at
     20 Mbit/s it cannot take less than bytes x 8 / rate (a box under load only slows it)."""
     out = tmp_path / "ar.json"
-    ok(run_netsim("ddp", "--nodes", 2, "--rate", "20mbit", "--", "--data", mlm_dataset,
-                  "--model", "bert-tiny", "--steps", "4", "--allreduce-only", "--out", out))
+    args = ("ddp", "--nodes", 2, "--rate", "20mbit", "--", "--data", mlm_dataset, "--model",
+            "bert-tiny", "--steps", "4", "--allreduce-only", "--out", out)
+    proc = run_netsim(*args)
+    if proc.returncode != 0 and "(SIGABRT)" in proc.stderr:
+        # A rank aborted inside gloo (2 of 3 full CI runs at 2026-11-26, never in 40 runs alone
+        # or under load; ddp_reference.py now skips the group's teardown, pytorch/gloo#155):
+        # once more, and say why in the report rather than hide it.
+        warnings.warn("netsim ddp: a rank aborted (SIGABRT), retried once:\n"
+                      + "\n".join(why_lines(proc.stderr)))
+        proc = run_netsim(*args)
+    ok(proc)
     got = json.loads(out.read_text())
     floor_ms = got["bytes"] * 8 / 20e6 * 1000
     assert got["allreduce_ms"] >= 0.9 * floor_ms, (got["allreduce_ms"], floor_ms)

@@ -72,14 +72,17 @@ def test_a_flag_that_contradicts_the_file_is_one_line():
 
 
 def _run(dataset: Path, out: Path, stage: int, monkeypatch, *extra: str, overlap: bool = True,
-         all_reduce: bool = False, clip: bool = True):
+         all_reduce: bool = False, clip: bool = True, optimizer: dict | None = None):
     """A 2-rank run through the real launcher; overlapped runs trace their reducer.
     `all_reduce`: ZeRO-1 through the all-reduce reducer, not the reduce-scatter one; `clip`
-    False: ds_configs/zero{stage}.json with gradient clipping off."""
+    False: ds_configs/zero{stage}.json with gradient clipping off; `optimizer`: its
+    "optimizer" section instead."""
     stage_args = ["--zero", stage]
-    if not clip:
-        ds = {**load_ds_config(zero_config_path(stage)), "gradient_clipping": 0.0}
-        path = out.parent / f"{out.name}-noclip.json"
+    if not clip or optimizer:
+        ds = load_ds_config(zero_config_path(stage))
+        ds.update({"gradient_clipping": 0.0} if not clip else {},
+                  **({"optimizer": optimizer} if optimizer else {}))
+        path = out.parent / f"{out.name}-ds.json"
         path.write_text(json.dumps(ds))
         stage_args = ["--ds-config", path]
     with monkeypatch.context() as env:
@@ -183,6 +186,27 @@ def test_bf16_reduce_scatter_clips_by_the_norm_of_the_partitions(mlm_dataset, tm
     assert got[1] == ref[1]
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.timeout(1200)
+def test_muon_at_zero1_all_reduces_whole_gradients(mlm_dataset, tmp_path, monkeypatch):
+    """DeepSpeed's Muon orthogonalises each matrix's whole gradient, and a reduce-scatter
+    reduces only this rank's partition (a matrix crossing the partition's edge would be part
+    reduced, part this rank's own): ZeRO-1 with Muon keeps the all-reduce reducer, says so, and
+    trains DeepSpeed's own reduction's losses."""
+    muon = {"type": "Muon", "params": {"lr": "auto", "weight_decay": "auto"}}
+    overlapped, reference = tmp_path / "overlapped", tmp_path / "deepspeed"
+    _run(mlm_dataset, overlapped, 1, monkeypatch, optimizer=muon)
+    _run(mlm_dataset, reference, 1, monkeypatch, optimizer=muon, overlap=False)
+    engine = json.loads((overlapped / "config.json").read_text())["engine"]
+    assert "during backward" in engine["grad_reduction"]
+    assert "reduce-scattered" not in engine["grad_reduction"], engine["grad_reduction"]
+    ref, got = train_losses(reference), train_losses(overlapped)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-6), step
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ g.launch()
 assert len(g.works) == 4 and not g.done
 model[0](torch.zeros(1, 16))  # layer 0's hook waited for its chunks (0, 1) only
 assert {0, 1} <= g.done and 3 not in g.done, g.done
+assert g.works[0] == g.works[1] == [] and g.works[3]  # waited chunks' buffers let go
 assert torch.equal(model[0].weight, torch.ones(16, 16))
 model(torch.zeros(1, 16))  # the whole model's forward ends with every chunk in
 assert not g.works and torch.equal(flat, torch.cat([torch.ones(544), torch.full((544,), 2.)]))

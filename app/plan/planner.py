@@ -439,7 +439,7 @@ def plan_network(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, stage: Sta
                         network.node_bytes(job.collectives(), net.nodes, req.grad_accum))
 
 
-_LAYOUTS: dict[tuple[int, float], tuple[network.Grad, ...]] = {}
+_LAYOUTS: dict[tuple[str, float], tuple[network.Grad, ...]] = {}
 
 
 def backward_layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ...]:
@@ -448,7 +448,9 @@ def backward_layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ..
     first use. Work: a matrix's elements where a matmul uses it (an embedding lookup: none), the
     tied MLM decoder on the masked share of tokens only (the sparse head); a weight used twice
     (tied) is final after its last use in backward, the input embedding, at the very end."""
-    key = (id(info.config), mask_prob)
+    # by the config's content: an id() is reused once a config is collected (a tune search
+    # describes many models in one process)
+    key = (info.config.to_json_string(use_diff=False), mask_prob)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = _layout(info, mask_prob)
     return _LAYOUTS[key]

@@ -22,7 +22,7 @@ from app.runtime.overlap import (ALL_REDUCE_ENV, GradReducer, PartitionReducer, 
                                  switched_off)
 from app.runtime.patches import (local_fp32_clipping, local_zero1_reduction, partitioned_bf16_norm,
                                  share_fp32_partitions, skip_lone_allreduce, sync_free_steps)
-from app.runtime.zero2_overlap import overlap_zero2
+from app.runtime.zero2_overlap import overlap_zero2, uses_muon
 
 
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
@@ -116,8 +116,10 @@ def _scatter_reduction(engine, zero1: bool, bf16: bool) -> str | None:
     all-reduce's bytes; None where DeepSpeed's flat groups are not equal partitions of the data
     parallel group (then the all-reduce reducer runs)."""
     opt, group = engine.optimizer, engine.seq_data_parallel_group
-    if switched_off(ALL_REDUCE_ENV):
-        return None
+    if switched_off(ALL_REDUCE_ENV) or uses_muon(opt):
+        return None  # Muon reads each matrix's whole gradient, reduced
+    if bf16 and (engine.mpu is not None or opt.norm_type != 2):
+        return None  # partitioned_bf16_norm: the 2-norm, over the data parallel ranks only
     if zero1:
         pairs = zip(opt.round_robin_bit16_groups, opt.bit16_groups_flat,
                     opt.parallel_partitioned_bit16_groups)

@@ -113,6 +113,11 @@ class ParamGather:
             if c < len(self.works) and c not in self.done:
                 for work in self.works[c]:
                     work.wait()
+                # let the chunk's collectives go: a list all-gather stages its output in a
+                # buffer of its own (NCCL: world x piece), freed with the work, so all of them
+                # together would hold a second copy of the weights until the forward's end,
+                # where activations peak; released here, they are gone chunk by chunk
+                self.works[c] = []
                 self.done.add(c)
                 self._event("done", c)
 

@@ -156,7 +156,8 @@ def partitioned_bf16_norm(optimizer, group) -> None:
         if for_clipping:
             return get_grads(for_clipping=True)
         norms = [view.norm(2) for view in parts]
-        squares = torch.stack(norms).pow(2).sum() if norms else torch.zeros(())
+        squares = torch.stack(norms).pow(2).sum() if norms else \
+            torch.zeros((), device=optimizer.fp32_groups_gradients_flat[0].device)
         dist.all_reduce(squares, group=group)
         return [squares.sqrt().reshape(1)], {}
 

@@ -60,12 +60,14 @@ def _not_covered(opt) -> str | None:
               (not opt.overlap_comm, "overlap_comm off: one ipg buffer"),
               (not opt.reduce_scatter, "reduce_scatter off: one blocking all-reduce a bucket"),
               (opt.sequence_parallel_size > 1, "sequence parallel"),
-              (_uses_muon(opt), "the Muon optimizer"),
+              (uses_muon(opt), "the Muon optimizer"),
               (_correctness_test(), "DeepSpeed's pg_correctness_test")]
     return next((why for bad, why in checks if bad), None)
 
 
-def _uses_muon(opt) -> bool:
+def uses_muon(opt) -> bool:
+    """DeepSpeed's Muon (as its ZeRO optimizers test for it): its update orthogonalises each
+    matrix's whole gradient, so every rank needs whole reduced gradients, not a partition's."""
     return "muon" in type(opt.optimizer).__name__.lower()
 
 

@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -147,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             args.out.write_text(json.dumps(result, indent=1) + "\n")
     leave_without_teardown()
-    return 0
 
 
-def leave_without_teardown() -> None:
+def leave_without_teardown() -> NoReturn:
     """Exit 0 now, without destroying the gloo group: a barrier followed by the group's teardown
     can still abort a rank (SIGABRT from gloo's loop thread or a joinable thread destroyed while
     a peer's last transfer drains: pytorch/gloo#155, open), seen here on slow shaped links, once

@@ -530,7 +530,6 @@ def collective_worker(argv: list[str]) -> int:
     from ddp_reference import leave_without_teardown  # this script's folder: bench/
 
     leave_without_teardown()
-    return 0
 
 
 def time_collectives(nodes: int, rate: int | None, sizes: list[int], repeats: int,

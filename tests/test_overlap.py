@@ -80,8 +80,10 @@ def _run(dataset: Path, out: Path, stage: int, monkeypatch, *extra: str, overlap
     stage_args = ["--zero", stage]
     if not clip or optimizer:
         ds = load_ds_config(zero_config_path(stage))
-        ds.update({"gradient_clipping": 0.0} if not clip else {},
-                  **({"optimizer": optimizer} if optimizer else {}))
+        if not clip:
+            ds["gradient_clipping"] = 0.0
+        if optimizer:
+            ds["optimizer"] = optimizer
         path = out.parent / f"{out.name}-ds.json"
         path.write_text(json.dumps(ds))
         stage_args = ["--ds-config", path]

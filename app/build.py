@@ -165,8 +165,9 @@ def _engine(plan: Plan, cooldown: anomaly.Cooldown):
                         seed=cfg.seed, for_training=True, zero3_config=zero3,
                         init_from=plan.init_from)
     n_params = count_parameters(model)
-    engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown),
-                        optimizer_groups(model, cfg.weight_decay))
+    # ZeRO-1/2: groups of layer blocks, each partitioned on its own (app.runtime.overlap)
+    groups = optimizer_groups(model, cfg.weight_decay, plan.switch.now.optimizer_blocks)
+    engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown), groups)
     if cfg.compile:
         engine.compile()
     return engine, n_params

@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, Mas
 from app.data.masking import IGNORE_INDEX
 from app.losses import causal_lm_loss
 from app.rundir import is_run_dir
+from app.runtime.overlap import block_starts
 from app.runtime.zero3_init import partitioned
 from data_tools.errors import UserError
 
@@ -563,18 +564,40 @@ def _no_padding_check(input_ids, attention_mask) -> None:
     """See build_model: the loader never pads without handing over an attention mask."""
 
 
-def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def optimizer_groups(model: torch.nn.Module, weight_decay: float, blocks: int = 1
+                     ) -> list[dict[str, Any]]:
     """Parameter groups for AdamW: weight decay on the matrices of the linear layers only; none on
     biases, LayerNorm weights and embeddings (decaying those only pulls scales and rare tokens'
-    vectors toward zero; GPT-3, Megatron and the Hugging Face Trainer all exempt them)."""
+    vectors toward zero; GPT-3, Megatron and the Hugging Face Trainer all exempt them).
+
+    `blocks` > 1 (ZeRO-1/2: app.runtime.overlap.partition_blocks): the parameters in registration
+    order are cut into that many runs of about equal size, each run two groups (decay, then
+    none; an empty one left out), so ZeRO partitions each block on its own. 1: two groups."""
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
                   for p in m.parameters()}
-    decay, other = [], []
-    for p in {id(p): p for p in model.parameters() if p.requires_grad}.values():
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+
+    def decays(p: torch.nn.Parameter) -> bool:
         ndim = len(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition is flat; its shape
-        (decay if ndim >= 2 and id(p) not in embeddings else other).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": other, "weight_decay": 0.0}]
+        return ndim >= 2 and id(p) not in embeddings
+
+    if blocks <= 1:
+        return [{"params": [p for p in params if decays(p)], "weight_decay": weight_decay},
+                {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
+    groups: list[dict[str, Any]] = []
+    for run in layer_blocks(params, blocks):
+        for decay, wd in ((True, weight_decay), (False, 0.0)):
+            members = [p for p in run if decays(p) is decay]
+            if members:
+                groups.append({"params": members, "weight_decay": wd})
+    return groups
+
+
+def layer_blocks(params: list[torch.nn.Parameter], blocks: int) -> list[list[torch.nn.Parameter]]:
+    """`params` (in order) cut into at most `blocks` runs of consecutive ones of about equal
+    size (app.runtime.overlap.block_starts)."""
+    starts = block_starts([getattr(p, "ds_numel", p.numel()) for p in params], blocks)
+    return [params[a:b] for a, b in zip(starts, starts[1:] + [len(params)])]
 
 
 def count_parameters(model: torch.nn.Module) -> int:

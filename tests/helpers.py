@@ -60,12 +60,13 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def launch(*args: str, procs: int = 2, timeout: int = 900) -> subprocess.CompletedProcess:
+def launch(*args: str, procs: int = 2, timeout: int = 900,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N --module app ARGS`: the real launcher, CPU accelerator, N ranks."""
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     cmd = [launcher, "--num_gpus", str(procs), "--no_local_rank", "--master_port",
            str(free_port()), "--module", "app", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=REPO, env=env or clean_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 

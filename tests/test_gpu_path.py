@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from app.runtime.device import Device, attention_implementation, set_cpu_threads
-from app.model import build_config, build_model, optimizer_groups
+from app.model import build_config, build_model, layer_blocks, optimizer_groups
+from app.runtime.overlap import block_starts
 from app.trainer import token_sums
 from tests.helpers import REPO, TINY, check, clean_env, remanifest, run_app
 
@@ -72,11 +73,20 @@ def test_bf16_zero1_exports_the_fp32_masters(bf16_runs):
     tag = run / "checkpoints" / "global_step10"
     part = torch.load(next(tag.glob("bf16_zero_pp_rank_0_*optim_states.pt")),
                       map_location="cpu", weights_only=False)["optimizer_state_dict"]
-    shapes = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                        weights_only=False)["param_shapes"][0]
-    name, shape = next(iter(shapes.items()))
-    master = part["single_partition_of_fp32_groups"][0][:shape.numel()].view(shape)
-    assert torch.equal(_exported(hf)[name], master)
+    groups = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)["param_shapes"]
+    exported = _exported(hf)
+    # the first parameter of the first group that the export keeps whole (one rank: the
+    # partition is the group; not the word embedding, whose padded rows the export drops)
+    g, name, shape = next((g, n, s) for g, shapes in enumerate(groups) for n, s in shapes.items()
+                          if n in exported and exported[n].shape == s)
+    offset = 0
+    for n, s in groups[g].items():
+        if n == name:
+            break
+        offset += s.numel()
+    master = part["single_partition_of_fp32_groups"][g][offset:offset + shape.numel()].view(shape)
+    assert torch.equal(exported[name], master)
     assert not torch.equal(master, master.to(torch.bfloat16).float())
 
 
@@ -231,6 +241,32 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
         assert not any("embed" in n or "wte" in n or "wpe" in n or "norm" in n.lower()
                        or "bias" in n for n in decayed), decayed
         assert len(decay["params"]) + len(other["params"]) == len(set(names))
+
+
+def test_layer_blocks_keep_order_decay_and_every_parameter_once():
+    """ZeRO-1/2's groups (app.model.optimizer_groups with blocks): runs of consecutive
+    parameters in registration order, each split by weight decay as the two groups are; the
+    embedding, about a quarter of the model, a block of its own; the rest in about equal runs."""
+    model = build_model(build_config("bert-tiny", vocab_size=8000, special_ids={},
+                                     overrides={"hidden_size": 256, "num_attention_heads": 4}))
+    two = optimizer_groups(model, 0.1)
+    blocks = optimizer_groups(model, 0.1, blocks=8)
+    decayed = {id(p) for p in two[0]["params"]}
+    order = [id(p) for p in {id(p): p for p in model.parameters()}.values()]
+    assert [id(p) for g in blocks for p in g["params"]] != order  # split by decay in each block
+    assert sorted(id(p) for g in blocks for p in g["params"]) == sorted(order)
+    for g in blocks:
+        assert g["params"] and all((id(p) in decayed) == (g["weight_decay"] == 0.1)
+                                   for p in g["params"])
+    runs = layer_blocks(list({id(p): p for p in model.parameters()}.values()), 8)
+    assert len(runs) == 8 and [id(p) for r in runs for p in r] == order
+    sizes = [sum(p.numel() for p in r) for r in runs]
+    embedding = model.get_input_embeddings().weight
+    assert runs[0] == [embedding] and sizes[0] > 0.2 * sum(sizes)
+    rest = sizes[1:-1]  # the last run takes what is left
+    assert max(rest) < 2.5 * min(rest), sizes
+    assert block_starts([5, 5], 8) == [0, 1] and block_starts([], 8) == [0]
+    assert block_starts([1] * 16, 4) == [0, 4, 8, 12]
 
 
 def test_eval_sums_in_chunks_equal_the_whole():

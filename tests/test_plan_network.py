@@ -8,6 +8,7 @@ import pytest
 
 from app.__main__ import main
 from app.plan import network
+from app.runtime.overlap import BLOCKS_ENV
 from app.plan.network import (Collective, Grad, Link, Overlap, collective_ms, collectives,
                               exposed_ms, forward_stall, node_bytes, node_counts,
                               partition_pieces, pipeline_exposed, predict_step, uniform_layout)
@@ -94,6 +95,31 @@ def test_partition_pieces_at_two_ranks_are_ready_in_the_second_half():
     readies = [ready for _, ready, _ in pieces]
     assert all(r >= 0.5 for r in readies) and readies == sorted(readies, reverse=True)
     assert pieces[0][2] == 0  # chunk 0 holds the first weights forward uses
+
+
+def test_layer_blocks_start_the_reduce_scatter_with_the_last_block(monkeypatch):
+    """ZeRO-1/2 in layer blocks (each partitioned on its own): the block backward finishes first
+    is a bucket of its own, ready after its eighth of backward, not after half of it; the
+    gather's chunks are the blocks in forward order, the first needed at once."""
+    layout = uniform_layout(1_000, groups=100)
+    one = partition_pieces(layout, 2, 8)
+    blocks = partition_pieces(layout, 2, 8, blocks=8)
+    assert min(r for _, r, _ in one) >= 0.5
+    assert min(r for _, r, _ in blocks) == pytest.approx(0.125, abs=0.01)
+    assert sum(s for s, _, _ in blocks) == pytest.approx(1) and 8 <= len(blocks) <= 16
+    chunks = partition_pieces(layout, 4, 8, blocks=8, per_block=1)
+    assert [n for _, _, n in chunks] == sorted(n for _, _, n in chunks) and chunks[0][2] == 0
+    # a large first parameter (the embedding) is a block alone, and gets its share of pieces
+    big = uniform_layout(750, groups=75) + (Grad(250, 1.0, 0.0),)
+    pieces = partition_pieces(big, 2, 8, blocks=8)
+    assert len(pieces) == 9 and pieces[0][0] == pieces[1][0] == pytest.approx(0.125)
+    # the planned ZeRO-1 step hides more of its reduce-scatter in blocks
+    kw = dict(params=2_300_000, nodes=2, net_gbps=0.5, compute_ms=150.0, precision="fp32",
+              device="cpu")
+    with_blocks = predict_step(stage=1, **kw)
+    monkeypatch.setenv(BLOCKS_ENV, "1")  # the two groups of checkpoints before the blocks
+    without = predict_step(stage=1, **kw)
+    assert with_blocks["exposed_comm_ms"] < without["exposed_comm_ms"]
 
 
 def test_a_tied_embedding_ready_last_is_exposed():

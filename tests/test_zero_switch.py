@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.runtime.overlap import BLOCKS_ENV, PARTITION_BLOCKS, partition_blocks
 from tests.helpers import (REPO, check, clean_env, error_lines, free_port, launch, run_app,
                            train_losses)
 
@@ -32,9 +33,10 @@ BASE = ["--model", "bert-tiny", "--seq-len", "64", "--global-batch", "8", "--mic
         "--num-workers", "0"]
 
 
-def train(data: Path, out: Path, zero: int, world: int, *extra: str):
+def train(data: Path, out: Path, zero: int, world: int, *extra: str,
+          env: dict[str, str] | None = None):
     args = ["train", "--data", data, "--out", out, *BASE, "--zero", str(zero), *extra]
-    return check(launch(*args, procs=world) if world > 1 else run_app(*args))
+    return check(launch(*args, procs=world, env=env) if world > 1 else run_app(*args, env=env))
 
 
 class References:
@@ -89,9 +91,9 @@ def test_resume_under_another_stage_and_world_continues_the_run(refs, mlm_datase
     state = json.loads((out / "checkpoints" / f"global_step{STEPS}" / "train_state.json")
                        .read_text())
     expected = [{"step": 0, "zero_stage": a, "world_size": w, "precision": "fp32",
-                 "offload": False},
+                 "offload": False, "optimizer_blocks": partition_blocks(a)},
                 {"step": SAVE, "zero_stage": b, "world_size": v, "precision": "fp32",
-                 "offload": False}]
+                 "offload": False, "optimizer_blocks": partition_blocks(b)}]
     assert state["history"] == expected
     assert json.loads((out / "config.json").read_text())["history"] == expected
     # the source was not touched; its conversion sits beside it and is reused
@@ -113,7 +115,7 @@ def test_convert_offline_then_resume_from_it_and_fresh_moments_differ(
     assert {p: p.stat().st_mtime_ns for p in tag_dir(ref).iterdir()} == before
     info = json.loads((conv / "universal.json").read_text())
     assert info["source_layout"] == {"zero_stage": 2, "world_size": 2, "precision": "fp32",
-                                     "offload": False}
+                                     "offload": False, "optimizer_blocks": PARTITION_BLOCKS}
     assert info["step"] == SAVE
     resume_matches(refs, mlm_dataset, tmp_path, 2, 2, 1, 1, resume_from=conv)
 
@@ -152,6 +154,25 @@ def test_precision_and_stage_switched_twice(refs, mlm_dataset, tmp_path):
     assert [(h["step"], h["zero_stage"], h["world_size"], h["precision"])
             for h in state["history"]] == [(0, 2, 2, "fp32"), (SAVE, 1, 1, "bf16"),
                                            (STEPS, 3, 2, "fp32")]
+
+
+def test_a_checkpoint_in_two_groups_resumes_into_layer_blocks(refs, mlm_dataset, tmp_path):
+    """ZeRO-1 on 2 ranks in the optimizer's two groups (as every checkpoint written before the
+    layer blocks) trains the same losses as in blocks, and its checkpoint resumes under the
+    blocks through the universal form: the same continuation, every group's LR from the saved
+    schedule (2 groups' in the checkpoint, 16 in the run: universal.load_schedule)."""
+    ref = refs(1, 2)
+    legacy = tmp_path / "two_groups"
+    train(mlm_dataset, legacy, 1, 2, env=clean_env(**{BLOCKS_ENV: "1"}))
+    state = json.loads((tag_dir(legacy) / "train_state.json").read_text())
+    assert state["optimizer_blocks"] == 1 and state["history"][0]["optimizer_blocks"] == 1
+    assert max(abs(x - y) / abs(x) for x, y in zip(train_losses(ref).values(),
+                                                   train_losses(legacy).values())) <= 1e-5
+    out = tmp_path / "into_blocks"
+    proc = train(mlm_dataset, out, 1, 2, "--resume", tag_dir(legacy))
+    assert "converting" in proc.stderr and f"{PARTITION_BLOCKS} layer blocks" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert max_rel_diff(train_losses(ref), train_losses(out)) <= 1e-5
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         print(checkpoint.unverified_note(source), file=sys.stderr)
     saved = universal.saved_layout(state)
     target = universal.Layout(args.to_zero, args.to_world, args.to_precision or saved.precision,
-                              saved.offload if args.to_zero > 0 else False)
+                              saved.offload if args.to_zero > 0 else False,
+                              universal.partition_blocks(args.to_zero))
     why_not = universal.convertible_into(target, "--to-zero")
     if why_not:
         raise UserError(f"--to-zero {args.to_zero}: {why_not}")

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from app.runtime import gather as param_gather
+from app.runtime.overlap import partition_blocks
 from data_tools import output
 from data_tools.errors import UserError
 
@@ -55,16 +56,21 @@ class Layout:
     world_size: int
     precision: str
     offload: bool
+    optimizer_blocks: int = 1
+    """The optimizer's groups: this many layer blocks of two (app.model.optimizer_groups);
+    1 is the two groups of every checkpoint written before the blocks."""
 
     def __str__(self) -> str:
+        blocks = f", {self.optimizer_blocks} layer blocks" if self.optimizer_blocks > 1 else ""
         return (f"ZeRO-{self.zero_stage}, {self.world_size} rank{'s' * (self.world_size > 1)}, "
-                f"{self.precision}{', optimizer offload' if self.offload else ''}")
+                f"{self.precision}{', optimizer offload' if self.offload else ''}{blocks}")
 
     def loads_natively(self, other: Layout) -> bool:
         """DeepSpeed's own load works: the same partitioning (ZeRO-0 holds whole tensors, so
-        its world size does not matter) and the same optimizer wrapper."""
+        its world size does not matter), the same optimizer groups and wrapper."""
         return (self.zero_stage == other.zero_stage and self.precision == other.precision
                 and self.offload == other.offload
+                and self.optimizer_blocks == other.optimizer_blocks
                 and (self.zero_stage == 0 or self.world_size == other.world_size))
 
 
@@ -78,12 +84,16 @@ def convertible_into(layout: Layout, flag: str = "--zero") -> str | None:
     return None
 
 
-def layout_of(ds_config: dict[str, Any], world_size: int) -> Layout:
+def layout_of(ds_config: dict[str, Any], world_size: int, blocks: int | None = None) -> Layout:
+    """The layout a run of `ds_config` on `world_size` ranks has (`blocks`: its optimizer's
+    layer blocks; default: what this version builds at that stage)."""
     zero = ds_config.get("zero_optimization") or {}
     precision = ("bf16" if (ds_config.get("bf16") or {}).get("enabled")
                  else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32")
     offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
-    return Layout(int(zero.get("stage", 0)), int(world_size), precision, bool(offload))
+    stage = int(zero.get("stage", 0))
+    return Layout(stage, int(world_size), precision, bool(offload),
+                  partition_blocks(stage) if blocks is None else int(blocks))
 
 
 def adam_of(ds_config: dict[str, Any]) -> str:
@@ -115,8 +125,10 @@ def optimizer_switch(state: dict[str, Any], ds_config: dict[str, Any]) -> tuple[
 
 
 def saved_layout(state: dict[str, Any]) -> Layout:
-    """The layout a checkpoint was written in, from its train state."""
-    return layout_of(state.get("ds_config") or {}, state["world_size"])
+    """The layout a checkpoint was written in, from its train state (no `optimizer_blocks`:
+    written before the blocks, in two groups)."""
+    return layout_of(state.get("ds_config") or {}, state["world_size"],
+                     int(state.get("optimizer_blocks", 1)))
 
 
 def is_universal(tag_dir: Path) -> bool:
@@ -355,12 +367,29 @@ def load(engine, tag_dir: Path) -> dict[str, Any]:
         _load_param(engine, name, param, {kind: tensors[kind][name] for kind in KINDS},
                     where=tag_dir)
     _set_step(_base_optimizer(engine), step)
-    engine.lr_scheduler.load_state_dict(scheduler)
-    for group, lr in zip(_base_optimizer(engine).param_groups, scheduler["_last_lr"]):
-        group["lr"] = lr
+    load_schedule(engine.lr_scheduler, scheduler)
     engine.global_steps = step
     engine.global_samples = step * engine.train_batch_size()
     return state
+
+
+def load_schedule(sched, saved: dict[str, Any]) -> None:
+    """The saved LR schedule's position into `sched` (a LambdaLR), and every group's LR from it.
+    A checkpoint of another group count (two groups, or layer blocks: Layout.optimizer_blocks)
+    keeps this run's per-group base LRs (from the same config: one LR, or Muon's two) and takes
+    the saved step (torch's own load stops at the count's mismatch)."""
+    own = list(sched.base_lrs)
+    if len(saved.get("base_lrs", own)) == len(own):
+        sched.load_state_dict(saved)
+    else:
+        saved = dict(saved)
+        saved["base_lrs"] = own
+        saved["lr_lambdas"] = (list(saved.get("lr_lambdas") or [None]) * len(own))[:len(own)]
+        sched.load_state_dict(saved)
+        sched._last_lr = [base * fn(sched.last_epoch)
+                          for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, lr in zip(sched.optimizer.param_groups, sched._last_lr):
+        group["lr"] = lr
 
 
 def _base_optimizer(engine) -> torch.optim.Optimizer:

@@ -60,7 +60,7 @@ from math import ceil
 from typing import Any, NamedTuple
 
 from data_tools.errors import UserError
-from app.runtime.overlap import bucket_elements
+from app.runtime.overlap import block_starts, bucket_elements, partition_blocks
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKWARD_FRACTION = 2 / 3
@@ -240,6 +240,9 @@ class Collective:
     """Buckets (or chunks) of equal pieces of every rank's partition instead (Overlap)."""
     rounds: int = 0
     """Ring passes over the tensor (0: by kind; gloo's reduce-scatter is an all-reduce)."""
+    blocks: int = 1
+    """ZeRO-1/2: the flat buffer is this many layer blocks, each partitioned on its own
+    (app.runtime.overlap.partition_blocks): `pieces` spread over them (partition_pieces)."""
 
 
 class Grad(NamedTuple):
@@ -263,10 +266,11 @@ def collectives(stage: int, params: int, *, comm_bytes: int, weight_bytes: int,
                 overlap: Overlap, reduce_bucket: int, allgather_bucket: int,
                 prefetch_bucket: int = 50_000_000, allreduce_bucket: int = ALLREDUCE_BUCKET,
                 zero3_gathers: int = 2, layout: tuple[Grad, ...] = (),
-                gloo: bool = False) -> list[Collective]:
+                gloo: bool = False, blocks: int = 1) -> list[Collective]:
     """What one optimizer step sends at `stage` (module docstring); bucket sizes in elements.
     `layout`: the parameters in backward order (default: spread evenly); `gloo`: gloo's
-    reduce-scatter, which moves an all-reduce's bytes (measured: docs/plan.md)."""
+    reduce-scatter, which moves an all-reduce's bytes (measured: docs/plan.md); `blocks`:
+    ZeRO-1/2's layer blocks (Collective.blocks)."""
     lay = layout or uniform_layout(params)
 
     def n(bucket: int) -> int:  # calls, as the parameters are cut into buckets
@@ -278,15 +282,19 @@ def collectives(stage: int, params: int, *, comm_bytes: int, weight_bytes: int,
         return [Collective("all-reduce", "gradients", grads, n(allreduce_bucket), False,
                            "backward", overlap.reduce, lay, allreduce_bucket)]
     if stage in (1, 2):
+        def calls(k: int, per_block: int | None = None) -> int:  # of partition pieces
+            return len(partition_pieces(lay, 1, k, blocks, per_block))
+
         k = overlap.scatter_pieces
         # the app's reduce-scatter: NCCL's, or pairwise isend/irecv over gloo (one pass)
-        reduce = (Collective("reduce-scatter", "gradients", grads, k, stage == 2, "backward",
-                             overlap.reduce, lay, 0, k) if k else
+        reduce = (Collective("reduce-scatter", "gradients", grads, calls(k), stage == 2,
+                             "backward", overlap.reduce, lay, 0, k, blocks=blocks) if k else
                   Collective("all-reduce", "gradients", grads, n(reduce_bucket), stage == 2,
                              "backward", overlap.reduce, lay, reduce_bucket))
         k = overlap.gather_chunks
-        gather = (Collective("all-gather", "weights", weights, k, False, "forward", True, lay,
-                             0, k) if k else
+        gather = (Collective("all-gather", "weights", weights,
+                             calls(k, 1 if blocks > 1 else None), False, "forward", True, lay,
+                             0, k, blocks=blocks) if k else
                   Collective("all-gather", "weights", weights, n(allgather_bucket), False,
                              "step", overlap.gather))
         return [reduce, gather]
@@ -342,18 +350,28 @@ def _touching(starts: list[int], flat: list[Grad], lo: float, hi: float) -> list
     return out
 
 
-def partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int
-                     ) -> list[tuple[float, float, float]]:
+def partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int, blocks: int = 1,
+                     per_block: int | None = None) -> list[tuple[float, float, float]]:
     """Bucket (or chunk) c = piece c of every rank's partition of the flat buffer:
-    [(share of the tensor, ready: its last gradient's, needed: its first weight's)]."""
+    [(share of the tensor, ready: its last gradient's, needed: its first weight's)].
+
+    `blocks` > 1: the parameters in that many runs (app.runtime.overlap.block_starts, as
+    app.model.optimizer_groups cuts them), each a flat buffer partitioned on its own; bucket
+    (b, c) = piece c of every partition of block b, `per_block` pieces a block (default: its
+    share of `pieces`, at least one)."""
     starts, flat = _spans(layout)
     total, out = starts[-1], []
-    for c in range(pieces):
-        groups = []
-        for r in range(world):
-            lo = total * (r / world + c / (world * pieces))
-            groups += _touching(starts, flat, lo, lo + total / (world * pieces))
-        out.append((1 / pieces, max(g.ready for g in groups), min(g.needed for g in groups)))
+    runs = block_starts([g.elements for g in flat], max(blocks, 1)) + [len(flat)]
+    for a, b in zip(runs, runs[1:]):
+        lo_b, size = starts[a], starts[b] - starts[a]
+        n = per_block or (pieces if blocks <= 1 else max(1, ceil(pieces * size / total)))
+        for c in range(n):
+            members = []
+            for r in range(world):
+                lo = lo_b + size * (r / world + c / (world * n))
+                members += _touching(starts, flat, lo, lo + size / (world * n))
+            out.append((size / total / n, max(g.ready for g in members),
+                        min(g.needed for g in members)))
     return out
 
 
@@ -375,8 +393,9 @@ def cut_buckets(layout: tuple[Grad, ...], size: int) -> list[tuple[float, float,
 
 def schedule(c: Collective, world: int) -> list[tuple[float, float, float]]:
     """`c`'s calls in the order they are launched: [(share of its bytes, ready, needed)]."""
-    if c.pieces:
-        return partition_pieces(c.layout, world, c.pieces)
+    if c.pieces:  # the weight gather by layer blocks: a chunk a group (app.runtime.gather)
+        per_block = 1 if c.blocks > 1 and c.kind == "all-gather" else None
+        return partition_pieces(c.layout, world, c.pieces, c.blocks, per_block)
     size = c.bucket_elements or ceil(sum(g.elements for g in c.layout) / max(c.buckets, 1))
     cut = cut_buckets(c.layout, size)
     return cut if c.phase == "backward" else list(reversed(cut))  # forward: registration order
@@ -560,7 +579,7 @@ class Job:
                            comm_bytes=DTYPE_BYTES[self.comm_dtype or self.precision],
                            weight_bytes=DTYPE_BYTES[self.precision], overlap=overlap,
                            zero3_gathers=self.zero3_gathers, layout=self.layout,
-                           gloo=self.device == "cpu", **b)
+                           gloo=self.device == "cpu", blocks=partition_blocks(self.stage), **b)
 
     def at(self, nodes: int) -> StepTime:
         return step_time(self.collectives(), nodes, self.per_node, self.link, self.compute_ms,

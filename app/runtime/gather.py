@@ -16,6 +16,12 @@ in the order it reads them; by the time it reaches partition 1, every chunk was 
 partition 0 already and is in. No order does better: each chunk brings one piece of partition
 0, so forward cannot get past piece c of partition 0 before c + 1 chunks are in.
 
+Layer blocks (`by_group`: ZeRO-1/2 as the app builds them, app.model.optimizer_groups): each
+group holds a run of consecutive layers, partitioned on its own, so chunk g is group g whole,
+launched in group order: forward finds block b's weights in once b's chunks are, whatever the
+number of ranks (with one group for the model, forward's first layers wait for a piece of every
+partition).
+
 Everything else that reads or writes the weights sees them complete: `flush()` waits for every
 chunk, and runs before the next optimizer step (its partition is the running gather's input),
 after each forward of the whole model (a parameter read outside its module's forward), before a
@@ -37,7 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from app.runtime.overlap import bucket_elements
+from app.runtime.overlap import bucket_elements, partition_blocks
 
 # Test switches (tests/test_param_gather.py): a file each rank appends its gather's events to;
 # DeepSpeed's own blocking gather instead (the reference the overlapped one must equal)
@@ -61,18 +67,20 @@ class ParamGather:
     """The chunked, asynchronous all-gather of one optimizer's flat weight buffers (module
     docstring). `flats`: the flat buffers; `partitions`: each one's per-rank views; `groups`:
     each one's data-parallel process group; `chunks`: how many (default: about one of the
-    gradient reducer's buckets each)."""
+    gradient reducer's buckets each); `by_group`: chunk g is group g, whole (layer blocks)."""
 
     def __init__(self, module: torch.nn.Module, flats: list[torch.Tensor],
                  partitions: list[list[torch.Tensor]], groups: list, alignment: int,
-                 chunks: int | None = None):
+                 chunks: int | None = None, by_group: bool = False):
         self.flats, self.partitions, self.groups = flats, partitions, groups
         self.rank = [dist.get_rank(group=g) for g in groups]
         total = sum(f.numel() for f in flats)
         world = len(partitions[0])
+        self.by_group = by_group
         # a chunk about the size of one of the reducer's buckets (app.runtime.overlap)
-        self.chunks = chunks or max(1, min(max(p[0].numel() for p in partitions),
-                                           -(-total // bucket_elements(total))))
+        self.chunks = len(flats) if by_group else \
+            chunks or max(1, min(max(p[0].numel() for p in partitions),
+                                 -(-total // bucket_elements(total))))
         self.sizes = [piece_elements(p[0].numel(), self.chunks, alignment) for p in partitions]
         self.works: list[list] = []  # per launched chunk: its collectives, until waited for
         self.done: set[int] = set()
@@ -82,14 +90,18 @@ class ParamGather:
         self._hooks = self._install_hooks(module)
 
     def describe(self) -> str:
+        what = " (one a parameter group of a layer block)" if self.by_group else ""
         return f"the step's all-gather of the weights runs during the next forward, in " \
-               f"{self.chunks} chunk(s) (each module waits for its own weights' chunks)"
+               f"{self.chunks} chunk(s){what} (each module waits for its own weights' chunks)"
 
     # -- the chunks ---------------------------------------------------------------------------
 
     def pieces(self, g: int, c: int) -> list[torch.Tensor]:
-        """Piece c of every partition of group g (empty when the partition is shorter)."""
+        """Piece c of every partition of group g (empty when the partition is shorter; by
+        group: the whole partitions of group c)."""
         part = self.partitions[g]
+        if self.by_group:
+            return [p.narrow(0, 0, p.numel() if g == c else 0) for p in part]
         start = min(c * self.sizes[g], part[0].numel())
         length = min(self.sizes[g], part[0].numel() - start)
         return [p.narrow(0, start, length) for p in part]
@@ -138,6 +150,8 @@ class ParamGather:
             start = (param.data_ptr() - flat.data_ptr()) // flat.element_size()
             if not 0 <= start < flat.numel():
                 continue
+            if self.by_group:
+                return {g}
             end, size, width = start + param.numel(), self.sizes[g], self.partitions[g][0].numel()
             found: set[int] = set()
             for r in range(self.world):
@@ -209,8 +223,9 @@ def install(engine) -> str | None:
         return None
     if any(len({p.numel() for p in part}) != 1 for part in partitions):
         return None  # unequal partitions: not one all-gather (DeepSpeed pads them equal)
+    by_group = partition_blocks(engine.zero_optimization_stage()) > 1  # the groups are blocks
     gather = ParamGather(engine.module, flats, partitions, list(opt.real_dp_process_group),
-                         opt.nccl_start_alignment_factor)
+                         opt.nccl_start_alignment_factor, by_group=by_group)
     _install_dispatch()
     opt.step = _launching(opt.step, gather)
     for name in ("save_checkpoint", "load_checkpoint"):

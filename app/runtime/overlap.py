@@ -41,6 +41,43 @@ TRACE_ENV = "DSPRETRAIN_TEST_OVERLAP_TRACE"
 OFF_ENV = "DSPRETRAIN_TEST_NO_OVERLAP"
 # and the all-reduce reducer at ZeRO-1 instead of the reduce-scatter one (PartitionReducer)
 ALL_REDUCE_ENV = "DSPRETRAIN_TEST_ZERO1_ALL_REDUCE"
+# and ZeRO-1/2's optimizer groups in this many layer blocks (1: the two groups of checkpoints
+# written before the blocks)
+BLOCKS_ENV = "DSPRETRAIN_TEST_PARTITION_BLOCKS"
+
+
+# ZeRO-1/2 partition each optimizer group's flat buffer once across the ranks, so with one group
+# for the whole model rank 0's partition is the model's first half, whose gradients come last:
+# no reduce-scatter bucket can start before backward's second half (PartitionReducer). The app
+# hands them the parameters in this many blocks of consecutive layers instead, each a group (two:
+# with and without weight decay) partitioned on its own (app.model.optimizer_groups): a block's
+# buckets start once backward has passed it, and the next forward's weight gather arrives block
+# by block (app.runtime.gather). Megatron's distributed optimizer shards per bucket for the same
+# reason. docs/design.md, "ZeRO-1/2 in layer blocks".
+PARTITION_BLOCKS = TARGET_BUCKETS
+
+
+def partition_blocks(zero_stage: int) -> int:
+    """How many layer blocks a run at `zero_stage` groups its parameters in: PARTITION_BLOCKS
+    where ZeRO partitions flat groups (1, 2), else 1 (ZeRO-0 holds whole tensors, ZeRO-3
+    partitions each parameter on its own)."""
+    if zero_stage not in (1, 2):
+        return 1
+    return int(os.environ.get(BLOCKS_ENV) or PARTITION_BLOCKS)
+
+
+def block_starts(sizes: list[int], blocks: int) -> list[int]:
+    """Where each of at most `blocks` runs of consecutive items (sizes in order) starts: a run
+    closes once it holds an equal share of what the earlier runs left, so a parameter larger
+    than a share (an embedding) is a run of its own and the rest still make `blocks` runs."""
+    starts, size, left = [0], 0, sum(sizes)
+    for i, n in enumerate(sizes):
+        if i > starts[-1] and len(starts) < blocks and size * (blocks - len(starts) + 1) >= left:
+            starts.append(i)
+            left -= size
+            size = 0
+        size += n
+    return starts
 
 
 def switched_off(env: str = OFF_ENV) -> bool:

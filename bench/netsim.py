@@ -746,6 +746,7 @@ def plot(path: Path, eff: dict, plan: dict, rates: list[int | None]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rates = sorted(rates, key=lambda r: r or 100e9)  # left to right, unshaped last
     xs = [(r or 100e9) / 1e6 for r in rates]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (system, by_rate) in enumerate(eff.items()):

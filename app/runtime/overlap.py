@@ -318,12 +318,12 @@ class PartitionReducer:
 
     A bucket is piece c of every rank's partition of one flat group (`partition_buckets`), the
     layout a reduce-scatter needs. What that costs: a bucket is complete only when its piece of
-    the FIRST partition is, and backward reaches the first partition (the first registered
-    parameters, the embeddings) last. With N ranks nothing can launch before backward has done
-    (N-1)/N of the flat, and a piece inside the embeddings waits for backward's end: at 2 ranks
-    the buckets overlap the second half of backward at best, and fewer of them the larger the
-    embeddings or N. Sending each piece to its owner as soon as it is ready would start earlier
-    but make all ranks send to one owner at a time (incast: (N-1)x slower links at scale).
+    the group's FIRST partition is, and backward reaches it last. With one group for the whole
+    model nothing could launch before backward has done (N-1)/N of it; the app's groups are
+    layer blocks (`partition_blocks`), so that holds within a block only and the last block's
+    buckets launch once backward has passed it. Sending each piece to its owner as soon as it
+    is ready would start earlier but make all ranks send to one owner at a time (incast: (N-1)x
+    slower links at scale).
     Buckets are launched in the order backward completes them (`launch_order`), the same on
     every rank.
     """

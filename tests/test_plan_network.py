@@ -218,7 +218,9 @@ def test_grad_accum_amortises_boundary_communication():
     assert hidden == pytest.approx(job(stage=1)["exposed_comm_ms"])
     assert hidden < one["exposed_comm_ms"]
     z2 = job(stage=2, grad_accum=8, compute_ms=8 * 140.8, device="cpu")
-    assert z2["comm_ms"] > 7 * one["comm_ms"] * 2 / 3  # ZeRO-2 reduces every micro step
+    # ZeRO-2 reduces every micro step: 8 reduce-scatters (gloo: point to point to the owners)
+    # and one gather, against one of each
+    assert z2["comm_ms"] > 4 * one["comm_ms"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

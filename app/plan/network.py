@@ -20,7 +20,8 @@ does it with this repo's ds_configs (read from `engine.py`, `stage_1_and_2.py`, 
     ZeRO-1 bf16   the same bytes: the reducer sends BF16_Optimizer's fp32 gradient buffer in c
                   during backward, then the bf16 weights are all-gathered in the next forward
     ZeRO-2        the bucketed all-reduce every micro step (the gradients are partitioned as
-                  they come), then the weight all-gather at the boundary
+                  they come; on gloo each slice sent to its owner, a reduce-scatter's bytes:
+                  app/runtime/zero2_overlap.py), then the weight all-gather at the boundary
     ZeRO-3        every micro step: weight all-gathers in forward (and again in backward unless
                   the parameters stay gathered between them), a reduce-scatter of the gradients
 
@@ -287,10 +288,13 @@ def collectives(stage: int, params: int, *, comm_bytes: int, weight_bytes: int,
 
         k = overlap.scatter_pieces
         # the app's reduce-scatter: NCCL's, or pairwise isend/irecv over gloo (one pass)
+        # ZeRO-2: DeepSpeed's buckets (backward order), each slice reduced to its owner: on
+        # gloo sent point to point (app/runtime/zero2_overlap.py), a reduce-scatter's bytes
         reduce = (Collective("reduce-scatter", "gradients", grads, calls(k), stage == 2,
                              "backward", overlap.reduce, lay, 0, k, blocks=blocks) if k else
-                  Collective("all-reduce", "gradients", grads, n(reduce_bucket), stage == 2,
-                             "backward", overlap.reduce, lay, reduce_bucket))
+                  Collective("reduce-scatter" if gloo and overlap.reduce else "all-reduce",
+                             "gradients", grads, n(reduce_bucket), stage == 2, "backward",
+                             overlap.reduce, lay, reduce_bucket))
         k = overlap.gather_chunks
         gather = (Collective("all-gather", "weights", weights,
                              calls(k, 1 if blocks > 1 else None), False, "forward", True, lay,

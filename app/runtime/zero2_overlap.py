@@ -11,8 +11,11 @@ This instance patch keeps DeepSpeed's arithmetic and launches the same collectiv
 order, with `async_op`: what follows them (the wait, the copy of the reduced values back into the
 ipg buffer and the fp32 partition, reduce_ipg_grads' epilogue) is deferred until the other ipg
 buffer is about to be refilled (the next bucket's launch), or the end of backward, where
-DeepSpeed's epilogue flushes the last bucket (`reduce_ipg_grads()` without a dtype). Everything
-it does not cover (offload, MoE, Muon, ZenFlow, an oversized gradient, reduce_scatter off, one
+DeepSpeed's epilogue flushes the last bucket (`reduce_ipg_grads()` without a dtype). On gloo
+a reduce of a bucket's slices to their owner is sent point to point instead (`_pairwise_reduce`):
+gloo's `reduce` moved more than an all-reduce of the same tensor (netsim `collectives`, 2 nodes at
+570 Mbit/s, 4.6 MB: reduce to rank 0 86 ms, all-reduce 68, each rank sending the other its half
+34), so ZeRO-2 sent about 1.5x ZeRO-1's bytes a step. Everything it does not cover (offload, MoE, Muon, ZenFlow, an oversized gradient, reduce_scatter off, one
 ipg buffer) runs DeepSpeed's own code, synchronously.
 """
 from __future__ import annotations
@@ -41,12 +44,12 @@ def overlap_zero2(engine) -> str | None:
         return f"ZeRO-2's reduce buckets in {dtype}, each blocking backward in its hook " \
                f"(DeepSpeed's path, not overlapped: {why})"
     shrunk = _bucket_for_overlap(opt)
-    Zero2Overlap(opt)
+    patch = Zero2Overlap(opt)
     note = f"; reduce_bucket_size {shrunk:,} (the configured one held the whole model)" \
         if shrunk else ""
     return f"ZeRO-2's reduce buckets of <= {opt.reduce_bucket_size:,} elements in {dtype}, " \
-           f"launched asynchronously during backward and completed when their ipg buffer is " \
-           f"needed again{note}"
+           f"launched asynchronously during backward ({patch.describe_reduce()}) and " \
+           f"completed when their ipg buffer is needed again{note}"
 
 
 def _not_covered(opt) -> str | None:
@@ -100,6 +103,9 @@ class Zero2Overlap:
         self.events: list[tuple[str, int, float]] = []
         self.works: list = []  # this backward's launched collectives (trace only)
         self.launched = 0
+        import torch.distributed as tdist
+
+        self.pairwise = tdist.get_backend(opt.dp_process_group) == "gloo"
         self.originals = {name: getattr(opt, name) for name in (
             "reduce_ipg_grads", "allreduce_and_copy", "allreduce_and_copy_with_multiple_ranks",
             "reduce_independent_p_g_buckets_and_remove_grads")}
@@ -142,6 +148,9 @@ class Zero2Overlap:
         # the caller swaps to the other ipg buffer next: what still reads it completes first
         self.complete_all()
         self.pending.append(completions)
+
+    def describe_reduce(self) -> str:
+        return "point to point to each slice's owner" if self.pairwise else "DeepSpeed's reduce"
 
     def _epilogue(self, params) -> None:
         """reduce_ipg_grads' epilogue at ZeRO-2 for one reduced bucket: owned gradients into the
@@ -216,19 +225,24 @@ class Zero2Overlap:
         sent = tensor.to(comm_dtype) if comm_dtype != tensor.dtype else tensor
         if divide and opt.gradient_average:
             sent.div_(dist.get_world_size(group=group) / float(opt.sequence_parallel_size))
-        if rank is None:
-            work = dist.all_reduce(sent, group=group, async_op=True)
-        else:
-            work = dist.reduce(sent, dist.get_global_rank(group, rank), group=group,
-                               async_op=True)
         k = self.launched
         self.launched += 1
+        if rank is None:
+            works, finish = [dist.all_reduce(sent, group=group, async_op=True)], None
+        elif self.pairwise:
+            works, finish = self._pairwise_reduce(sent, rank, group, tag=k)
+        else:
+            works, finish = [dist.reduce(sent, dist.get_global_rank(group, rank), group=group,
+                                         async_op=True)], None
         if self.trace_path:  # a Work holds its tensor: kept past completion only when tracing
-            self.works.append(work)
+            self.works.append(_Works(works))
             self.events.append(("launch", k, time.perf_counter()))
 
         def result():
-            work.wait()
+            for work in works:
+                work.wait()
+            if finish is not None:
+                finish()
             if self.trace_path:
                 self.events.append(("done", k, time.perf_counter()))
             if sent is not tensor and (rank is None or rank == dist.get_rank(group=group)):
@@ -236,6 +250,33 @@ class Zero2Overlap:
             return sent
 
         return result
+
+    @staticmethod
+    def _pairwise_reduce(sent, owner: int, group, tag: int):
+        """A reduce of `sent` to group rank `owner` as point-to-point messages: every other rank
+        sends its tensor to the owner, which sums them all in rank order into `sent` (`finish`,
+        after the works). Each rank's bytes are its slices for the other owners: a
+        reduce-scatter's, (N-1)/N of the bucket."""
+        import torch
+        import torch.distributed as tdist
+
+        me, world = tdist.get_rank(group=group), tdist.get_world_size(group=group)
+        if me != owner:
+            return [tdist.isend(sent, dst=tdist.get_global_rank(group, owner), group=group,
+                                tag=tag)], None
+        received = {r: torch.empty_like(sent) for r in range(world) if r != me}
+        works = [tdist.irecv(buf, src=tdist.get_global_rank(group, r), group=group, tag=tag)
+                 for r, buf in received.items()]
+
+        def finish() -> None:
+            order = [sent if r == me else received[r] for r in range(world)]
+            total = order[0]  # rank 0's: this rank's own, or a receive buffer free to sum into
+            for piece in order[1:]:
+                total.add_(piece)
+            if total is not sent:
+                sent.copy_(total)
+
+        return works, finish
 
     def _copy_back(self, reduced, small_bucket, outputs, mine) -> None:
         opt = self.opt
@@ -253,3 +294,14 @@ class Zero2Overlap:
             with open(f"{self.trace_path}.rank{dist.get_rank()}", "a") as f:
                 f.write(json.dumps({"collectives": len(self.works), "events": self.events}) + "\n")
         self.events, self.works, self.launched = [], [], 0
+
+
+class _Works:
+    """The collectives of one launched reduction as one (trace only: `is_completed`)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+

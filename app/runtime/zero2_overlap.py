@@ -209,7 +209,11 @@ class Zero2Overlap:
         from deepspeed import comm as dist
 
         group = self.opt.dp_process_group if process_group is None else process_group
-        result = self._launch(small_bucket, communication_data_type, None, divide, group)
+        owners = [_single(r) for r in bucket_ranks]
+        if self.pairwise and None not in owners:  # every slice one owner: only to it
+            result = self._launch(small_bucket, communication_data_type, owners, divide, group)
+        else:
+            result = self._launch(small_bucket, communication_data_type, None, divide, group)
         me = dist.get_rank(group=group)
         mine = [me in r if isinstance(r, frozenset) else me == r for r in bucket_ranks]
         outputs = output_bucket or [None] * len(small_bucket)
@@ -217,7 +221,10 @@ class Zero2Overlap:
 
     def _launch(self, small_bucket, comm_dtype, rank, divide, group) -> Callable:
         """DeepSpeed's allreduce_bucket with async_op; returns what waits for it and gives the
-        reduced tensor (in the communication dtype, as allreduce_bucket returns it)."""
+        reduced tensor (in the communication dtype, as allreduce_bucket returns it). `rank`:
+        None (an all-reduce), the group rank a reduce goes to, or a list, each slice's owner
+        (gloo: each slice sent to its owner only; the reduced values are right in the owner's
+        slices only, the only ones DeepSpeed reads)."""
         from deepspeed import comm as dist
 
         opt = self.opt
@@ -229,6 +236,9 @@ class Zero2Overlap:
         self.launched += 1
         if rank is None:
             works, finish = [dist.all_reduce(sent, group=group, async_op=True)], None
+        elif isinstance(rank, list):
+            works, finish = self._to_owners(sent, [t.numel() for t in small_bucket], rank,
+                                            group, tag=k)
         elif self.pairwise:
             works, finish = self._pairwise_reduce(sent, rank, group, tag=k)
         else:
@@ -245,7 +255,8 @@ class Zero2Overlap:
                 finish()
             if self.trace_path:
                 self.events.append(("done", k, time.perf_counter()))
-            if sent is not tensor and (rank is None or rank == dist.get_rank(group=group)):
+            if sent is not tensor and (rank is None or isinstance(rank, list)
+                                       or rank == dist.get_rank(group=group)):
                 tensor.copy_(sent)
             return sent
 
@@ -278,6 +289,48 @@ class Zero2Overlap:
 
         return works, finish
 
+    @staticmethod
+    def _to_owners(sent, sizes: list[int], owners: list[int], group, tag: int):
+        """A bucket of slices (`sizes`, in order, slice i owned by group rank `owners[i]`)
+        reduced where it is needed: each rank sends every other owner that owner's slices (one
+        message, concatenated) and receives its own from every other rank; `finish` sums them
+        in rank order into this rank's slices of `sent`. A reduce-scatter's bytes, where an
+        all-reduce of the bucket moves twice as many."""
+        import torch
+        import torch.distributed as tdist
+
+        me, world = tdist.get_rank(group=group), tdist.get_world_size(group=group)
+        spans: dict[int, list[tuple[int, int]]] = {}
+        start = 0
+        for n, owner in zip(sizes, owners):
+            spans.setdefault(owner, []).append((start, n))
+            start += n
+
+        def gathered(r: int):
+            pieces = [sent.narrow(0, a, n) for a, n in spans[r]]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+        works = [tdist.isend(gathered(r), dst=tdist.get_global_rank(group, r), group=group,
+                             tag=tag) for r in range(world) if r != me and r in spans]
+        if me not in spans:
+            return works, None
+        own = gathered(me)
+        received = {r: torch.empty_like(own) for r in range(world) if r != me}
+        works += [tdist.irecv(buf, src=tdist.get_global_rank(group, r), group=group, tag=tag)
+                  for r, buf in received.items()]
+
+        def finish() -> None:
+            order = [own if r == me else received[r] for r in range(world)]
+            total = order[0]
+            for piece in order[1:]:
+                total.add_(piece)
+            offset = 0
+            for a, n in spans[me]:
+                sent.narrow(0, a, n).copy_(total.narrow(0, offset, n))
+                offset += n
+
+        return works, finish
+
     def _copy_back(self, reduced, small_bucket, outputs, mine) -> None:
         opt = self.opt
         for buf, synced, output, own in zip(small_bucket, opt.unflatten(reduced, small_bucket),
@@ -304,4 +357,11 @@ class _Works:
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
+
+
+def _single(ranks) -> int | None:
+    """The one rank a slice goes to (DeepSpeed's bucket_ranks entry), None for several."""
+    if isinstance(ranks, frozenset):
+        return next(iter(ranks)) if len(ranks) == 1 else None
+    return int(ranks)
 

@@ -133,8 +133,13 @@ class Zero2Overlap:
         pending, then DeepSpeed's own reduction."""
         opt = self.opt
         if comm_dtype is None or comm_dtype in opt.extra_large_param_to_reduce:
-            self.complete_all(end=comm_dtype is None)
-            return self.originals["reduce_ipg_grads"](comm_dtype)
+            end = comm_dtype is None
+            self.complete_all(end=end)
+            try:  # the last bucket (on gloo: to its owners, allreduce_and_copy_with_...)
+                return self.originals["reduce_ipg_grads"](comm_dtype)
+            finally:
+                if end:
+                    self._write_trace()
         bucket = opt.ipg_buckets[comm_dtype]
         params = list(bucket.params)
         self.deferring = []
@@ -166,14 +171,12 @@ class Zero2Overlap:
                 opt.copy_grads_in_partition(param, group_idx)
 
     def complete_all(self, end: bool = False) -> None:
-        """Run every deferred completion, oldest first (at the end of backward: and trace)."""
+        """Run every deferred completion, oldest first (`end`: backward has ended, traced)."""
         if end and self.trace_path:
             self.events.append(("backward_end", -1, time.perf_counter()))
         while self.pending:
             for completion in self.pending.popleft():
                 completion()
-        if end:
-            self._write_trace()
 
     # -- the collectives ----------------------------------------------------------------------
 
@@ -200,24 +203,28 @@ class Zero2Overlap:
                                                log=None, divide=True, process_group=None,
                                                bucket_ranks=None, output_bucket=None):
         """DeepSpeed's all-reduce of a multi-rank bucket, asynchronous inside a deferred bucket:
-        each slice is copied back, at completion, on the rank(s) that own it."""
-        if self.deferring is None:
-            return self.originals["allreduce_and_copy_with_multiple_ranks"](
-                small_bucket, communication_data_type, log=log, divide=divide,
-                process_group=process_group, bucket_ranks=bucket_ranks,
-                output_bucket=output_bucket)
+        each slice is copied back, at completion, on the rank(s) that own it. On gloo with one
+        owner a slice, each slice goes to its owner only, also outside a deferred bucket (the
+        end of backward's last bucket, an oversized gradient), there waited for at once."""
         from deepspeed import comm as dist
 
         group = self.opt.dp_process_group if process_group is None else process_group
         owners = [_single(r) for r in bucket_ranks]
-        if self.pairwise and None not in owners:  # every slice one owner: only to it
-            result = self._launch(small_bucket, communication_data_type, owners, divide, group)
-        else:
-            result = self._launch(small_bucket, communication_data_type, None, divide, group)
+        to_owners = self.pairwise and None not in owners
+        if self.deferring is None and not to_owners:
+            return self.originals["allreduce_and_copy_with_multiple_ranks"](
+                small_bucket, communication_data_type, log=log, divide=divide,
+                process_group=process_group, bucket_ranks=bucket_ranks,
+                output_bucket=output_bucket)
+        result = self._launch(small_bucket, communication_data_type,
+                              owners if to_owners else None, divide, group)
         me = dist.get_rank(group=group)
         mine = [me in r if isinstance(r, frozenset) else me == r for r in bucket_ranks]
         outputs = output_bucket or [None] * len(small_bucket)
-        self.deferring.append(lambda: self._copy_back(result(), small_bucket, outputs, mine))
+        if self.deferring is None:
+            self._copy_back(result(), small_bucket, outputs, mine)
+        else:
+            self.deferring.append(lambda: self._copy_back(result(), small_bucket, outputs, mine))
 
     def _launch(self, small_bucket, comm_dtype, rank, divide, group) -> Callable:
         """DeepSpeed's allreduce_bucket with async_op; returns what waits for it and gives the

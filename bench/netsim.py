@@ -667,8 +667,8 @@ def stage_efficiency(plan, key: str = "efficiency") -> dict[str, float]:
 def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
             ) -> tuple[dict, dict]:
     """({rate: {stage: predicted efficiency}}, {rate: {stage: predicted 2-node step ms}}) with
-    each stage's own measured 1-node step (median over the repeats) as its compute (ZeRO-0's
-    for a stage not measured); empty (and a note) when the planner has no network model."""
+    each stage's own measured 1-node step (median over the repeats) as its compute, for the
+    stages measured; empty (and a note) when the planner has no network model."""
     if not args.plan:
         return {}, {}
     help_text = subprocess.run([sys.executable, "-m", "app", "plan", "--help"],
@@ -680,10 +680,7 @@ def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
     for r in runs:
         if r["nodes"] == 1 and r["system"] != "ddp" and r.get("step_time_ms"):
             ones.setdefault(r["system"], []).append(r["step_time_ms"])
-    computes = {s: statistics.median(v) for s, v in ones.items()}
-    if "zero0" not in computes:
-        return {}, {}
-    own = {s: computes.get(s, computes["zero0"]) for s in ("zero0", "zero1", "zero2")}
+    own = {s: statistics.median(v) for s, v in ones.items()}
     eff: dict = {}
     step: dict = {}
     for rate in rates:

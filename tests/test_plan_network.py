@@ -331,17 +331,17 @@ def test_bad_network_flags_are_one_line(args, needle, one_line_error):
     one_line_error(needle)
 
 
-# Measured on the simulated cluster (docs/benchmarks.md "netsim scale, round 3: ZeRO-1/2 in layer
-# blocks", 2 repeats: the 1-node step of each stage as compute, the 2-node median step), fp32, one
-# core a node, the rate as the link is shaped (the planner gets TCP's payload share of it, as
-# bench/netsim.py gives it); 100,000 Mbit/s: the veth unshaped (netsim's stand-in rate)
+# Measured on the simulated cluster (docs/benchmarks.md "netsim scale, round 3b", 2 repeats: the
+# 1-node step of each stage as compute, the 2-node median step), fp32, one core a node, the rate
+# as the link is shaped (the planner gets TCP's payload share of it, as bench/netsim.py gives
+# it); 100,000 Mbit/s: the veth unshaped (netsim's stand-in rate)
 MEASURED = [  # (stage, rate Mbit/s, 1-node step ms, 2-node step ms)
-    (0, 1121, 129.1, 185.7), (0, 560, 129.1, 233.3), (0, 280, 129.1, 369.1),
-    (0, 100_000, 129.1, 158.1),
-    (1, 1121, 150.9, 212.2), (1, 560, 150.9, 244.8), (1, 280, 150.9, 356.2),
-    (1, 100_000, 150.9, 185.7),
-    (2, 1121, 158.5, 223.1), (2, 560, 158.5, 301.0), (2, 280, 158.5, 477.7),
-    (2, 100_000, 158.5, 175.7)]
+    (0, 1121, 125.1, 174.1), (0, 560, 125.1, 225.9), (0, 280, 125.1, 355.7),
+    (0, 100_000, 125.1, 146.5),
+    (1, 1121, 137.8, 196.5), (1, 560, 137.8, 237.5), (1, 280, 137.8, 363.9),
+    (1, 100_000, 137.8, 168.9),
+    (2, 1121, 135.2, 198.0), (2, 560, 135.2, 259.1), (2, 280, 135.2, 406.3),
+    (2, 100_000, 135.2, 159.9)]
 
 
 @pytest.mark.parametrize("stage,mbit,one,two", MEASURED)

@@ -71,6 +71,14 @@ GLOO_CPU_MS_PER_MB = 1.4
 """CPU ms per MB a node sends, gloo between two one-core netsim nodes at 570 Mbit/s (process CPU
 of an all-reduce and an all-gather of 0.25-9.2 MB, `bench/netsim.py collectives`: 1.37 and
 1.41 ms per MB sent; docs/plan.md)."""
+ZERO2_GLOO_TIME = 1.8
+"""ZeRO-2's reduction on gloo (each slice to its owner, app/runtime/zero2_overlap.py: a
+reduce-scatter's bytes) costs about this many times a reduce-scatter's link time on the simulated
+cluster: fitted to the 2-node steps of docs/benchmarks.md "netsim scale, round 3b" (the plan 6%
+and 11% low at 1,121 and 560 Mbit/s, 3% high at 280, 7% low unshaped; a reduce-scatter's time
+alone left it 7-23% low). What costs the rest is not modelled term by term (measured, not
+explained; candidates: DeepSpeed launches a bucket in the hook of the gradient after it, copies
+the owned gradients into the partition, and holds two buckets at most)."""
 ALLREDUCE_BUCKET = 500_000_000
 """Elements per all-reduce at ZeRO-0 and in BF16_Optimizer (MEMORY_OPT_ALLREDUCE_SIZE)."""
 
@@ -244,6 +252,9 @@ class Collective:
     blocks: int = 1
     """ZeRO-1/2: the flat buffer is this many layer blocks, each partitioned on its own
     (app.runtime.overlap.partition_blocks): `pieces` spread over them (partition_pieces)."""
+    time_factor: float = 1.0
+    """Its link time over what its bytes take (measured where the path costs more than its
+    bytes: ZERO2_GLOO_TIME); the bytes sent are not changed."""
 
 
 class Grad(NamedTuple):
@@ -294,7 +305,8 @@ def collectives(stage: int, params: int, *, comm_bytes: int, weight_bytes: int,
                              "backward", overlap.reduce, lay, 0, k, blocks=blocks) if k else
                   Collective("reduce-scatter" if gloo and overlap.reduce else "all-reduce",
                              "gradients", grads, n(reduce_bucket), stage == 2, "backward",
-                             overlap.reduce, lay, reduce_bucket))
+                             overlap.reduce, lay, reduce_bucket,
+                             time_factor=ZERO2_GLOO_TIME if gloo and overlap.reduce else 1.0))
         k = overlap.gather_chunks
         gather = (Collective("all-gather", "weights", weights,
                              calls(k, 1 if blocks > 1 else None), False, "forward", True, lay,
@@ -318,8 +330,8 @@ def collective_ms(c: Collective, nodes: int, per_node: int, link: Link) -> float
         return 0.0
     rounds = c.rounds or (2 if c.kind == "all-reduce" else 1)
     g, m = per_node, nodes
-    seconds = rounds * ((g - 1) / g * c.nbytes / (link.intra_gbps * 1e9 / 8)
-                        + (m - 1) / m * c.nbytes / (link.inter_gbps * 1e9 / 8))
+    seconds = c.time_factor * rounds * ((g - 1) / g * c.nbytes / (link.intra_gbps * 1e9 / 8)
+                                        + (m - 1) / m * c.nbytes / (link.inter_gbps * 1e9 / 8))
     latency_us = rounds * ((g - 1) * link.intra_latency_us + (m - 1) * link.inter_latency_us)
     return 1000 * seconds + c.buckets * latency_us / 1000
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.runtime.overlap import OFF_ENV, TRACE_ENV
-from tests.helpers import TINY, check, launch, train_losses
+from tests.helpers import REPO, TINY, check, launch, train_losses
 
 STEPS = 3
 
@@ -23,7 +23,8 @@ def _run(dataset: Path, out: Path, monkeypatch, *extra: str, patched: bool = Tru
             env.setenv(OFF_ENV, "1")
         return check(launch("train", "--data", dataset, "--out", out, *TINY, "--max-steps",
                             str(STEPS), "--log-every", "1", "--dropout", "0", "--eval-every", "0",
-                            "--save-every", "0", "--zero", "2", *extra))
+                            "--save-every", "0",
+                            *([] if "--ds-config" in extra else ["--zero", "2"]), *extra))
 
 
 def _in_flight_while_backward_runs(backward: dict) -> list[int]:
@@ -41,15 +42,24 @@ def _in_flight_while_backward_runs(backward: dict) -> list[int]:
 @pytest.mark.multirank
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("extra", [["--grad-accum", "1"], ["--grad-accum", "2"],
-                                   ["--grad-accum", "2", "--precision", "bf16"]],
-                         ids=["fp32-ga1", "fp32-ga2", "bf16-ga2"])
+                                   ["--grad-accum", "2", "--precision", "bf16"],
+                                   ["--grad-accum", "1", "--ds-config", "REDUCE"]],
+                         ids=["fp32-ga1", "fp32-ga2", "bf16-ga2", "fp32-ga1-reduce"])
 def test_zero2_collectives_overlap_backward_and_train_the_same_losses(
         extra, mlm_dataset, tmp_path, monkeypatch):
+    """On gloo each slice goes to its owner only (DeepSpeed: an all-reduce of the bucket by
+    default; a reduce to each owner with `use_multi_rank_bucket_allreduce` off, REDUCE)."""
+    if "REDUCE" in extra:
+        ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+        ds["zero_optimization"]["use_multi_rank_bucket_allreduce"] = False
+        (tmp_path / "reduce.json").write_text(json.dumps(ds))
+        extra = [str(tmp_path / "reduce.json") if x == "REDUCE" else x for x in extra]
     patched = tmp_path / "patched"
     proc = _run(mlm_dataset, patched, monkeypatch, *extra)
     engine = json.loads((patched / "config.json").read_text())["engine"]
     assert "launched asynchronously during backward" in engine["grad_reduction"]
-    assert "launched asynchronously during backward" in proc.stderr  # the start-up line
+    assert "launched asynchronously during backward (each slice sent to its owner only)" \
+        in proc.stderr  # the start-up line
     accum = int(extra[1])
     for rank in (0, 1):
         backwards = [json.loads(line) for line in

@@ -11,12 +11,19 @@ This instance patch keeps DeepSpeed's arithmetic and launches the same collectiv
 order, with `async_op`: what follows them (the wait, the copy of the reduced values back into the
 ipg buffer and the fp32 partition, reduce_ipg_grads' epilogue) is deferred until the other ipg
 buffer is about to be refilled (the next bucket's launch), or the end of backward, where
-DeepSpeed's epilogue flushes the last bucket (`reduce_ipg_grads()` without a dtype). On gloo
-a reduce of a bucket's slices to their owner is sent point to point instead (`_pairwise_reduce`):
-gloo's `reduce` moved more than an all-reduce of the same tensor (netsim `collectives`, 2 nodes at
-570 Mbit/s, 4.6 MB: reduce to rank 0 86 ms, all-reduce 68, each rank sending the other its half
-34), so ZeRO-2 sent about 1.5x ZeRO-1's bytes a step. Everything it does not cover (offload, MoE, Muon, ZenFlow, an oversized gradient, reduce_scatter off, one
-ipg buffer) runs DeepSpeed's own code, synchronously.
+DeepSpeed's epilogue flushes the last bucket (`reduce_ipg_grads()` without a dtype).
+
+On gloo the bytes change too. Each slice of a bucket has one owner, yet DeepSpeed all-reduces the
+whole bucket (`use_multi_rank_bucket_allreduce`, its default), or with that off reduces each
+owner's slices with gloo's `reduce`, which moved more than an all-reduce of the same tensor
+(netsim `collectives`, 2 nodes at 570 Mbit/s, 4.6 MB: reduce to rank 0 86 ms, all-reduce 68, each
+rank sending the other its half 34). Here each rank sends every owner its slices (isend/irecv),
+and the owner sums the ranks' copies in rank order (`_to_owners`, `_pairwise_reduce`): a
+reduce-scatter's bytes, half an all-reduce's; also for the end of backward's last bucket and an
+oversized gradient, which DeepSpeed reduces outside the ipg buffers (waited for at once).
+
+Everything it does not cover (offload, MoE, Muon, ZenFlow, an oversized gradient's overlap,
+reduce_scatter off, one ipg buffer) runs DeepSpeed's own code, synchronously.
 """
 from __future__ import annotations
 
@@ -155,7 +162,8 @@ class Zero2Overlap:
         self.pending.append(completions)
 
     def describe_reduce(self) -> str:
-        return "point to point to each slice's owner" if self.pairwise else "DeepSpeed's reduce"
+        return ("each slice sent to its owner only" if self.pairwise
+                else "DeepSpeed's collectives")
 
     def _epilogue(self, params) -> None:
         """reduce_ipg_grads' epilogue at ZeRO-2 for one reduced bucket: owned gradients into the

@@ -295,10 +295,7 @@ class Zero2Overlap:
                  for r, buf in received.items()]
 
         def finish() -> None:
-            order = [sent if r == me else received[r] for r in range(world)]
-            total = order[0]  # rank 0's: this rank's own, or a receive buffer free to sum into
-            for piece in order[1:]:
-                total.add_(piece)
+            total = _rank_order_sum([sent if r == me else received[r] for r in range(world)])
             if total is not sent:
                 sent.copy_(total)
 
@@ -335,10 +332,7 @@ class Zero2Overlap:
                   for r, buf in received.items()]
 
         def finish() -> None:
-            order = [own if r == me else received[r] for r in range(world)]
-            total = order[0]
-            for piece in order[1:]:
-                total.add_(piece)
+            total = _rank_order_sum([own if r == me else received[r] for r in range(world)])
             offset = 0
             for a, n in spans[me]:
                 sent.narrow(0, a, n).copy_(total.narrow(0, offset, n))
@@ -379,4 +373,13 @@ def _single(ranks) -> int | None:
     if isinstance(ranks, frozenset):
         return next(iter(ranks)) if len(ranks) == 1 else None
     return int(ranks)
+
+
+def _rank_order_sum(pieces: list):
+    """The ranks' copies summed in rank order (the same bits on every run), into the first: rank
+    0's, this rank's own or a receive buffer, either free to be summed into."""
+    total = pieces[0]
+    for piece in pieces[1:]:
+        total.add_(piece)
+    return total
 

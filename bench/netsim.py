@@ -667,8 +667,9 @@ def stage_efficiency(plan, key: str = "efficiency") -> dict[str, float]:
 def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
             ) -> tuple[dict, dict]:
     """({rate: {stage: predicted efficiency}}, {rate: {stage: predicted 2-node step ms}}) with
-    each stage's own measured 1-node step (median over the repeats) as its compute, for the
-    stages measured; empty (and a note) when the planner has no network model."""
+    each stage's own measured 1-node step (median over the repeats) as its compute (ZeRO-0's for
+    a stage not measured, where ZeRO-0 was; else the measured stages only); empty (and a note)
+    when the planner has no network model."""
     if not args.plan:
         return {}, {}
     help_text = subprocess.run([sys.executable, "-m", "app", "plan", "--help"],
@@ -681,6 +682,8 @@ def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
         if r["nodes"] == 1 and r["system"] != "ddp" and r.get("step_time_ms"):
             ones.setdefault(r["system"], []).append(r["step_time_ms"])
     own = {s: statistics.median(v) for s, v in ones.items()}
+    if "zero0" in own:
+        own = {s: own.get(s, own["zero0"]) for s in ("zero0", "zero1", "zero2")}
     eff: dict = {}
     step: dict = {}
     for rate in rates:

@@ -170,6 +170,10 @@ def test_the_plan_is_given_each_stages_own_compute(mlm_dataset):
     assert step["570mbit"]["zero1"] == pytest.approx(own[150.0]["zero1"])
     assert step["570mbit"]["zero2"] == pytest.approx(own[110.0]["zero2"])
     assert step["570mbit"]["zero1"] > 150 and 0 < eff["570mbit"]["zero1"] < 1
+    # without ZeRO-0 (`--systems ddp,zero1`): the stages measured, each with its own
+    eff, step = netsim.planned(args, [r for r in runs if r["system"] != "zero0"], [rate])
+    assert set(step["570mbit"]) == {"zero1"}
+    assert step["570mbit"]["zero1"] == pytest.approx(own[150.0]["zero1"])
 
 
 def test_a_sweep_rate_runs_each_world_on_the_simulated_cluster():

@@ -230,6 +230,7 @@ def test_bf16_communication_reduces_close_to_fp32(mlm_dataset, tmp_path, monkeyp
 
 SHARED_TWICE = r"""
 import os, sys, torch, torch.distributed as dist
+from app.runtime.dist import shutdown
 from torch.utils.checkpoint import checkpoint
 from app.runtime.overlap import GradReducer
 rank = int(sys.argv[2])
@@ -256,8 +257,8 @@ assert reducer.stale == {0, 1}, reducer.stale  # both buckets got a gradient aft
 reducer.finish()
 assert all(torch.allclose(p.grad, w, rtol=1e-6, atol=0) for p, w in zip(params, want)), \
     "a bucket was sent before its last accumulation"
-dist.barrier()  # gloo's threads ended before the interpreter's: an exit with them running aborts
-dist.destroy_process_group()
+dist.barrier()
+shutdown()  # app's own: an exit just after a barrier can abort in gloo's thread
 print("ok")
 """
 
@@ -270,6 +271,7 @@ def test_a_gradient_accumulated_twice_in_one_backward_is_sent_whole():
 
 SCATTER = r"""
 import os, sys, torch, torch.distributed as dist
+from app.runtime.dist import shutdown
 from torch.utils.checkpoint import checkpoint
 from app.runtime.overlap import PartitionReducer, flat_group
 rank = int(sys.argv[2])
@@ -313,7 +315,7 @@ for g in groups:  # this rank's partition is the average, bit for bit; the rest 
             mine = (at + i) // half == rank
             assert (p.grad.reshape(-1)[i] == w[i]) or not mine, (p.shape, i)
 dist.barrier()
-dist.destroy_process_group()
+shutdown()  # app's own: an exit just after a barrier can abort in gloo's thread
 print("ok")
 """
 

@@ -11,6 +11,7 @@ import os
 import resource
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,10 +175,24 @@ def unlink_shm_buffer(world: World, shm: Path = Path("/dev/shm")) -> None:
         pass
 
 
+# How long `shutdown` hands the GIL to gloo's worker threads before the interpreter exits.
+EXIT_GRACE_S = 0.05
+
+
 def shutdown() -> None:
-    """Leave the process group (NCCL warns about, and may hang on, groups never destroyed)."""
+    """Leave the process group (NCCL warns about, and may hang on, groups never destroyed).
+
+    Gloo's worker thread frees a finished collective just after the caller's wait returns, and
+    with it the last reference to the tensors of the collectives still pending when that one
+    was queued (a barrier holds every earlier one): Python tensors, whose release needs the GIL.
+    A thread that asks for the GIL while the interpreter finalizes is ended, and a C++ thread
+    ended that way aborts the process ("terminate called without an active exception", exit
+    134, after the run's last line): seen in 7 of 60 two-rank runs that exit right after a
+    barrier. Releasing the GIL for a moment lets that thread finish first.
+    """
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+        time.sleep(EXIT_GRACE_S)
 
 
 def _several_ranks() -> bool:

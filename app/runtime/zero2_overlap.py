@@ -9,9 +9,13 @@ scaling efficiency where DDP reached 0.57-0.61, docs/benchmarks.md).
 
 This instance patch keeps DeepSpeed's arithmetic and launches the same collectives, in the same
 order, with `async_op`: what follows them (the wait, the copy of the reduced values back into the
-ipg buffer and the fp32 partition, reduce_ipg_grads' epilogue) is deferred until the other ipg
-buffer is about to be refilled (the next bucket's launch), or the end of backward, where
-DeepSpeed's epilogue flushes the last bucket (`reduce_ipg_grads()` without a dtype).
+ipg buffer and the fp32 partition, reduce_ipg_grads' epilogue) is deferred, oldest first, to a
+later bucket's launch once its collectives are done, or to the end of backward, where DeepSpeed's
+epilogue flushes the last bucket (`reduce_ipg_grads()` without a dtype). DeepSpeed alternates two
+ipg buffers, so a bucket still in flight would have to complete (backward waiting for the link)
+before its buffer is refilled by the bucket after next; instead, the buffer it still reads is
+handed to it and the refill goes to a spare one, up to `PENDING_BUCKETS` buckets in flight (on a
+2-node netsim link at comm = compute, backward waited for the previous bucket 24-43 ms a step).
 
 On gloo the bytes change too. Each slice of a bucket has one owner, yet DeepSpeed all-reduces the
 whole bucket (`use_multi_rank_bucket_allreduce`, its default), or with that off reduces each
@@ -31,9 +35,15 @@ import json
 import os
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 from app.runtime.overlap import TRACE_ENV, bucket_elements, switched_off
+
+# Buckets whose collectives may be in flight at once, each holding an ipg buffer of its own
+# (reduce_bucket_size elements: with the app's eighth-of-the-model buckets, at most half the
+# model's gradients more than DeepSpeed's two buffers). Backward waits only beyond this.
+PENDING_BUCKETS = int(os.environ.get("DSPRETRAIN_ZERO2_PENDING", "4"))  # 2: DeepSpeed's depth
 
 
 def overlap_zero2(engine) -> str | None:
@@ -98,14 +108,27 @@ def _bucket_for_overlap(opt) -> int | None:
     return opt.reduce_bucket_size
 
 
+@dataclass
+class _Launched:
+    """One launched bucket: its deferred completions (run in order), its collectives, and the
+    ipg buffer its gradients still live in until the completions have run."""
+    completions: list[Callable[[], None]] = field(default_factory=list)
+    works: list = field(default_factory=list)
+    buffer: object = None
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
 class Zero2Overlap:
-    """The patch on one DeepSpeedZeroOptimizer (module docstring). `pending` holds, oldest
-    first, the deferred completions of launched buckets: each a list of closures run in order."""
+    """The patch on one DeepSpeedZeroOptimizer (module docstring). `pending` holds the launched
+    buckets not yet completed, oldest first; `spares`, ipg buffers free for a refill."""
 
     def __init__(self, opt):
         self.opt = opt
-        self.pending: deque[list[Callable[[], None]]] = deque()
-        self.deferring: list[Callable[[], None]] | None = None
+        self.pending: deque[_Launched] = deque()
+        self.deferring: _Launched | None = None
+        self.spares: list = []
         self.trace_path = os.environ.get(TRACE_ENV)
         self.events: list[tuple[str, int, float]] = []
         self.works: list = []  # this backward's launched collectives (trace only)
@@ -149,17 +172,23 @@ class Zero2Overlap:
                     self._write_trace()
         bucket = opt.ipg_buckets[comm_dtype]
         params = list(bucket.params)
-        self.deferring = []
+        launched = self.deferring = _Launched(buffer=bucket.buffer[bucket.index])
         try:
-            opt.average_tensor(bucket.buffer[bucket.index].narrow(0, 0, bucket.elements),
-                               comm_dtype)
+            opt.average_tensor(launched.buffer.narrow(0, 0, bucket.elements), comm_dtype)
         finally:
-            completions, self.deferring = self.deferring, None
-        completions.append(lambda: self._epilogue(params))
+            self.deferring = None
+        launched.completions.append(lambda: self._epilogue(params))
         bucket.clear()
-        # the caller swaps to the other ipg buffer next: what still reads it completes first
-        self.complete_all()
-        self.pending.append(completions)
+        self.pending.append(launched)
+        self._complete_done()
+        # the caller swaps to the other ipg buffer next: if a bucket in flight still reads it,
+        # that bucket keeps it and the refill goes to a spare
+        other = 1 - bucket.index
+        if any(p.buffer is bucket.buffer[other] for p in self.pending):
+            while len(self.pending) >= PENDING_BUCKETS:
+                self._complete_oldest()
+            if any(p.buffer is bucket.buffer[other] for p in self.pending):
+                bucket.buffer[other] = self._spare(bucket.buffer[other])
 
     def describe_reduce(self) -> str:
         return ("each slice sent to its owner only" if self.pairwise
@@ -183,8 +212,30 @@ class Zero2Overlap:
         if end and self.trace_path:
             self.events.append(("backward_end", -1, time.perf_counter()))
         while self.pending:
-            for completion in self.pending.popleft():
-                completion()
+            self._complete_oldest()
+
+    def _complete_done(self) -> None:
+        """Complete, oldest first, the buckets whose collectives have finished (gloo's send and
+        receive report completion only once waited for: those wait for the limit or the end)."""
+        while self.pending and self.pending[0].done():
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        launched = self.pending.popleft()
+        for completion in launched.completions:
+            completion()
+        live = [b for bucket in self.opt.ipg_buckets.values() for b in bucket.buffer]
+        if all(b is not launched.buffer for b in live) and len(self.spares) < PENDING_BUCKETS:
+            self.spares.append(launched.buffer)  # its gradients have moved out: reusable
+
+    def _spare(self, like):
+        """A free ipg buffer shaped as `like` (one let go by a completed bucket, else new)."""
+        for i, b in enumerate(self.spares):
+            if b.shape == like.shape and b.dtype == like.dtype and b.device == like.device:
+                return self.spares.pop(i)
+        import torch
+
+        return torch.empty_like(like)
 
     # -- the collectives ----------------------------------------------------------------------
 
@@ -204,8 +255,8 @@ class Zero2Overlap:
         result = self._launch(small_bucket, communication_data_type, rank, divide, group)
         outputs = output_bucket or [None] * len(small_bucket)
         mine = rank is None or rank == dist.get_rank(group=group)
-        self.deferring.append(lambda: self._copy_back(result(), small_bucket, outputs,
-                                                      [mine] * len(small_bucket)))
+        self.deferring.completions.append(
+            lambda: self._copy_back(result(), small_bucket, outputs, [mine] * len(small_bucket)))
 
     def allreduce_and_copy_with_multiple_ranks(self, small_bucket, communication_data_type,
                                                log=None, divide=True, process_group=None,
@@ -232,7 +283,8 @@ class Zero2Overlap:
         if self.deferring is None:
             self._copy_back(result(), small_bucket, outputs, mine)
         else:
-            self.deferring.append(lambda: self._copy_back(result(), small_bucket, outputs, mine))
+            self.deferring.completions.append(
+                lambda: self._copy_back(result(), small_bucket, outputs, mine))
 
     def _launch(self, small_bucket, comm_dtype, rank, divide, group) -> Callable:
         """DeepSpeed's allreduce_bucket with async_op; returns what waits for it and gives the
@@ -259,6 +311,8 @@ class Zero2Overlap:
         else:
             works, finish = [dist.reduce(sent, dist.get_global_rank(group, rank), group=group,
                                          async_op=True)], None
+        if self.deferring is not None:
+            self.deferring.works += works
         if self.trace_path:  # a Work holds its tensor: kept past completion only when tracing
             self.works.append(_Works(works))
             self.events.append(("launch", k, time.perf_counter()))

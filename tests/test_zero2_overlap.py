@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.runtime.overlap import OFF_ENV, TRACE_ENV
+from app.runtime.zero2_overlap import PENDING_BUCKETS
 from tests.helpers import REPO, TINY, check, launch, train_losses
 
 STEPS = 3
@@ -75,6 +76,9 @@ def test_zero2_collectives_overlap_backward_and_train_the_same_losses(
             assert kinds.index("backward_end") > first_launch
         # observed, not only ordered: some collective still running while backward went on
         assert any(_in_flight_while_backward_runs(b) for b in backwards)
+        # more buckets in flight than DeepSpeed's two ipg buffers allow, never more than the cap
+        depths = [b["in_flight_max"] for b in backwards]
+        assert max(depths) > 2 and max(depths) <= PENDING_BUCKETS, depths
     reference = tmp_path / "deepspeed"
     proc = _run(mlm_dataset, reference, monkeypatch, *extra, patched=False)
     assert "not overlapped: switched off" in proc.stderr

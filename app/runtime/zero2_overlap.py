@@ -40,9 +40,11 @@ from typing import Callable
 
 from app.runtime.overlap import TRACE_ENV, bucket_elements, switched_off
 
-# Buckets whose collectives may be in flight at once, each holding an ipg buffer of its own
-# (reduce_bucket_size elements: with the app's eighth-of-the-model buckets, at most half the
-# model's gradients more than DeepSpeed's two buffers). Backward waits only beyond this.
+# Buckets whose collectives may be in flight at once, each holding an ipg buffer of its own.
+# Backward waits only beyond this. Memory: at most PENDING_BUCKETS + 2 buffers of
+# reduce_bucket_size elements beside DeepSpeed's two (a new one is made only when no spare is
+# free: then each of ours is in a live slot or held by a bucket in flight); with the app's
+# eighth-of-the-model buckets, three quarters of the model's gradients, on CPU only.
 PENDING_BUCKETS = int(os.environ.get("DSPRETRAIN_ZERO2_PENDING", "4"))  # 2: DeepSpeed's depth
 
 
@@ -133,6 +135,7 @@ class Zero2Overlap:
         self.events: list[tuple[str, int, float]] = []
         self.works: list = []  # this backward's launched collectives (trace only)
         self.launched = 0
+        self.deepest = 0  # the most buckets in flight at once this backward (trace only)
         import torch.distributed as tdist
 
         self.pairwise = tdist.get_backend(opt.dp_process_group) == "gloo"
@@ -180,6 +183,7 @@ class Zero2Overlap:
         launched.completions.append(lambda: self._epilogue(params))
         bucket.clear()
         self.pending.append(launched)
+        self.deepest = max(self.deepest, len(self.pending))
         self._complete_done()
         # the caller swaps to the other ipg buffer next: if a bucket in flight still reads it,
         # that bucket keeps it and the refill goes to a spare
@@ -408,8 +412,9 @@ class Zero2Overlap:
             from deepspeed import comm as dist
 
             with open(f"{self.trace_path}.rank{dist.get_rank()}", "a") as f:
-                f.write(json.dumps({"collectives": len(self.works), "events": self.events}) + "\n")
-        self.events, self.works, self.launched = [], [], 0
+                f.write(json.dumps({"collectives": len(self.works), "in_flight_max": self.deepest,
+                                    "events": self.events}) + "\n")
+        self.events, self.works, self.launched, self.deepest = [], [], 0, 0
 
 
 class _Works:

@@ -76,9 +76,11 @@ ZERO2_GLOO_TIME = 1.8
 reduce-scatter's bytes) costs about this many times a reduce-scatter's link time on the simulated
 cluster: fitted to the 2-node steps of docs/benchmarks.md "netsim scale, round 3b" (the plan 6%
 and 11% low at 1,121 and 560 Mbit/s, 3% high at 280, 7% low unshaped; a reduce-scatter's time
-alone left it 7-23% low). What costs the rest is not modelled term by term (measured, not
-explained; candidates: DeepSpeed launches a bucket in the hook of the gradient after it, copies
-the owned gradients into the partition, and holds two buckets at most)."""
+alone left it 7-23% low). Round 4, with up to 4 buckets in flight where DeepSpeed's two ipg
+buffers allowed 2, leaves the plan 8% and 7% low, 9% high at 280 and 7% low unshaped: no single
+factor fits better, as the error falls with the rate. What costs the rest is not modelled term by
+term (measured, not explained; candidates: DeepSpeed launches a bucket in the hook of the
+gradient after it, and copies the owned gradients into the partition on the same core)."""
 ALLREDUCE_BUCKET = 500_000_000
 """Elements per all-reduce at ZeRO-0 and in BF16_Optimizer (MEMORY_OPT_ALLREDUCE_SIZE)."""
 

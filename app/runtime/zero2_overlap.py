@@ -119,7 +119,7 @@ class _Launched:
     buffer: object = None
 
     def done(self) -> bool:
-        return all(work.is_completed() for work in self.works)
+        return _completed(self.works)
 
 
 class Zero2Overlap:
@@ -133,7 +133,7 @@ class Zero2Overlap:
         self.spares: list = []
         self.trace_path = os.environ.get(TRACE_ENV)
         self.events: list[tuple[str, int, float]] = []
-        self.works: list = []  # this backward's launched collectives (trace only)
+        self.works: list[list] = []  # each launch's collectives, this backward (trace only)
         self.launched = 0
         self.deepest = 0  # the most buckets in flight at once this backward (trace only)
         import torch.distributed as tdist
@@ -156,8 +156,8 @@ class Zero2Overlap:
         if self.trace_path:
             now = time.perf_counter()
             self.events.append(("ready", -1, now))
-            self.events += [("in_flight", k, now) for k, work in enumerate(self.works)
-                            if not work.is_completed()]
+            self.events += [("in_flight", k, now) for k, works in enumerate(self.works)
+                            if not _completed(works)]
         return self.originals["reduce_independent_p_g_buckets_and_remove_grads"](param, i)
 
     def reduce_ipg_grads(self, comm_dtype=None):
@@ -318,7 +318,7 @@ class Zero2Overlap:
         if self.deferring is not None:
             self.deferring.works += works
         if self.trace_path:  # a Work holds its tensor: kept past completion only when tracing
-            self.works.append(_Works(works))
+            self.works.append(works)
             self.events.append(("launch", k, time.perf_counter()))
 
         def result():
@@ -417,14 +417,10 @@ class Zero2Overlap:
         self.events, self.works, self.launched, self.deepest = [], [], 0, 0
 
 
-class _Works:
-    """The collectives of one launched reduction as one (trace only: `is_completed`)."""
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+def _completed(works: list) -> bool:
+    """Every collective of one launched reduction has completed (gloo's send and receive report
+    it only once waited for)."""
+    return all(work.is_completed() for work in works)
 
 
 def _single(ranks) -> int | None:

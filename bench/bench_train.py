@@ -100,7 +100,8 @@ def reference_run(args, side: str = "ref") -> dict:
     other's leftovers (loader workers, spinning OpenMP threads)."""
     python = sys.executable if side == "ref" else str(args.python)
     cmd = [python, __file__, "--side-only", side, *sys.argv[1:]]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     if side == "hf":  # the Trainer's DeepSpeed needs a process group: a world of one
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(args.port + 1))

@@ -43,6 +43,7 @@ import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
@@ -91,16 +92,24 @@ def family(model: str) -> str:
 
 # -- host syncs -----------------------------------------------------------------------------------
 
-SKIP_FRAMES = (f"{os.sep}torch{os.sep}", f"{os.sep}deepspeed{os.sep}accelerator{os.sep}",
-               "contextlib.py", __file__)
+# torch by its own folder: a path such as /opt/torch/.venv/... holds every package's frames
+SKIP_FRAMES = (os.path.dirname(torch.__file__) + os.sep,
+               f"{os.sep}deepspeed{os.sep}accelerator{os.sep}", "contextlib.py",
+               f"{os.sep}warnings.py", __file__)
 
 
 def call_site() -> str:
-    """The first frame outside torch, DeepSpeed's accelerator shim and this file: who asked."""
-    for f in reversed(traceback.extract_stack()[:-2]):
+    """The first frame outside torch, DeepSpeed's accelerator shim and this file: who asked.
+    Where there is none (a thread that runs only torch's code, such as autograd's or the pin
+    memory thread; the second H100 run's one sync in an ordinary step), the thread's name and
+    its innermost frame other than this file's and warnings'."""
+    stack = traceback.extract_stack()[:-2]
+    for f in reversed(stack):
         if not any(s in f.filename for s in SKIP_FRAMES):
             return f"{short_path(f.filename)}:{f.lineno}"
-    return "?"
+    inner = [f for f in stack if f.filename != __file__ and not f.filename.endswith("warnings.py")]
+    where = f"{short_path(inner[-1].filename)}:{inner[-1].lineno}" if inner else "no frame"
+    return f"? (thread {threading.current_thread().name}, innermost {where})"
 
 
 def short_path(path: str) -> str:
@@ -146,9 +155,10 @@ class Syncs:
             self._wrap(torch.cuda, "synchronize", "cuda.synchronize")
             self._wrap(torch.cuda.Event, "synchronize", "event.synchronize")
             self._wrap(torch.cuda.Stream, "synchronize", "stream.synchronize")
-            self._warnings = warnings.catch_warnings(record=True)
-            self._caught = self._warnings.__enter__()
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
             warnings.simplefilter("always")
+            self._show, warnings.showwarning = warnings.showwarning, self._on_warning
             torch.cuda.set_sync_debug_mode("warn")
         return self
 
@@ -161,22 +171,20 @@ class Syncs:
             self._wrap(torch.Tensor, name, "read",
                        lambda *a: not sys._getframe(2).f_code.co_filename.startswith(own))
 
-    def set_phase(self, phase: str) -> None:
-        self._flush()
-        self.phase = phase
+    def _on_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        """A sync-debug warning, counted where it is raised: its own filename:lineno is the
+        innermost Python frame, often inside torch (torch/cuda/__init__.py's synchronize on the
+        first H100 run), so the site is the first frame outside torch, as for the wrappers."""
+        if "synchroniz" in str(message):
+            self._mark("sync-debug")
+        else:
+            self._show(message, category, filename, lineno, file, line)
 
-    def _flush(self) -> None:
-        """The sync-debug warnings so far, to the current phase (their filename:lineno is the
-        Python call site)."""
-        if self.gpu:
-            for w in self._caught:
-                if "synchroniz" in str(w.message):
-                    self.sites[self.phase][f"sync-debug {short_path(w.filename)}:{w.lineno}"] += 1
-            self._caught.clear()
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
 
     def __exit__(self, *exc) -> None:
         if self.gpu:
-            self._flush()
             torch.cuda.set_sync_debug_mode("default")
             self._warnings.__exit__(*exc)
         for owner, name, fn in reversed(self._saved):
@@ -210,8 +218,10 @@ def union_length(intervals: Iterable[tuple[float, float]], lo: float | None = No
 
 def busy_from_trace(trace: dict[str, Any]) -> dict[str, Any]:
     """Busy % of the annotated span `SPAN`: the union of device activity (kernels, copies,
-    memsets) over the span's wall time, or on a CPU-only trace the union of the ops of the
-    span's thread; plus the host's synchronize calls with their total duration (ms)."""
+    memsets) over the span's device side (its `gpu_user_annotation`: from the first to the last
+    device work launched inside it; the host span where the trace has none), or on a CPU-only
+    trace the union of the ops of the span's thread over the span; plus the host's synchronize
+    calls inside the host span with their total duration (ms)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     spans = [e for e in events if e.get("name") == SPAN and e.get("cat") == "user_annotation"]
     if not spans:
@@ -219,29 +229,49 @@ def busy_from_trace(trace: dict[str, Any]) -> dict[str, Any]:
     span = spans[0]
     lo, hi = float(span["ts"]), float(span["ts"]) + float(span["dur"])
     device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    gpu_spans = [e for e in events
+                 if e.get("name") == SPAN and e.get("cat") == "gpu_user_annotation"]
+    d_lo, d_hi = lo, hi
+    if device and gpu_spans:
+        d_lo = float(gpu_spans[0]["ts"])
+        d_hi = d_lo + float(gpu_spans[0]["dur"])
     busy_on = device or [e for e in events if e.get("cat") == "cpu_op"
                          and e.get("tid") == span.get("tid") and e.get("pid") == span.get("pid")]
     busy = union_length(((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in busy_on),
-                        lo, hi)
+                        d_lo, d_hi)
     syncs: dict[str, list[float]] = collections.defaultdict(list)
     for e in events:
         if e.get("name") in SYNC_CALLS and lo <= float(e["ts"]) <= hi:
             syncs[e["name"]].append(float(e["dur"]) / 1000)
-    return {"busy_pct": 100.0 * busy / max(hi - lo, 1e-9), "of": "device" if device else "cpu",
+    return {"busy_pct": 100.0 * busy / max(d_hi - d_lo, 1e-9), "of": "device" if device else "cpu",
             "wall_ms": (hi - lo) / 1000,
             "sync_calls": {k: {"count": len(v), "ms": round(sum(v), 3)} for k, v in syncs.items()}}
+
+
+PROFILE_LEAD = 2  # the profiler's warm-up steps, just before the recorded ones, no sync between
 
 
 def profile_steps(step: Callable[[], None], steps: int, sync: Callable[[], None],
                   path: Path) -> dict[str, Any]:
     """`steps` steps under torch.profiler (CPU, and CUDA when there is one) inside the `SPAN`
     annotation (a device sync closes it, so the span holds all their device work); the Chrome
-    trace goes to `path`, its busy figures are returned."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    trace goes to `path`, its busy figures are returned.
+
+    The profiler warms up over `PROFILE_LEAD` steps first (started, nothing kept) with no sync
+    before the recorded ones, so these open on a device queue as full as in training and with
+    the profiler's start-up cost behind them (docs/benchmarks.md, "GPU: first runs"): opened on
+    an idle device, the first H100 run's span counted the host's first launches as idle (92 %
+    busy; 96 % from its second step on); started cold after unprofiled steps, the second run's
+    first recorded steps ran at half the host speed (68 %)."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sync()
-    with profile(activities=acts) as prof:
+    plan = schedule(wait=0, warmup=PROFILE_LEAD, active=steps, repeat=1)
+    with profile(activities=acts, schedule=plan) as prof:
+        for _ in range(PROFILE_LEAD):
+            step()
+            prof.step()
         with record_function(SPAN):
             for _ in range(steps):
                 step()
@@ -544,6 +574,9 @@ def child(spec_path: str) -> None:
             sys.exit(OOM_EXIT)
         raise
     Path(spec["result"]).write_text(json.dumps(result, indent=1))
+    from app.runtime.dist import shutdown
+
+    shutdown()  # the app's trainer joined a process group (NCCL warns of one left at exit)
 
 
 # -- the parent: datasets, one child a model (halving the batch on OOM), verdicts ---------------
@@ -553,7 +586,8 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
     micro = g["micro_batch"]
     while True:
         tag = f"{model}-mb{micro}"
-        steps = g["warmup"] + g["block"] * (g["rounds"] + 3) + g["profile_steps"]
+        steps = (g["warmup"] + g["block"] * (g["rounds"] + 3) + g["profile_steps"]
+                 + PROFILE_LEAD)
         spec = {**g, "model": model, "micro_batch": micro, "data": str(data),
                 "zero": args.zero, "compile": args.compile,
                 "run": str(out / "runs" / tag), "out": str(out), "max_steps": steps,
@@ -562,9 +596,10 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, __file__, "--child", str(spec_path),
                *(["--cpu"] if args.cpu else [])]
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         with open(out / f"{tag}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(REPO)}).returncode
+                                env={**os.environ, "PYTHONPATH": path}).returncode
         if rc == OOM_EXIT and micro > 8:
             print(f"{model}: out of memory at micro batch {micro}; trying {micro // 2}")
             micro //= 2
@@ -701,7 +736,8 @@ def dataset(tmp: Path, fam: str, args, g: dict[str, int]) -> Path:
     not repeat them (the loader's epoch boundary is no part of a step's cost)."""
     root = tmp / fam
     if not (root / "dataset.json").exists():
-        steps = g["warmup"] + g["block"] * (g["rounds"] + 3) + g["profile_steps"]
+        steps = (g["warmup"] + g["block"] * (g["rounds"] + 3) + g["profile_steps"]
+                 + PROFILE_LEAD)
         tokens = args.tokens or 2 * steps * g["micro_batch"] * g["seq_len"] + 200_000
         root.mkdir()
         make_dataset(root, tokens, shards=2, vocab=VOCABS[fam])

@@ -42,6 +42,24 @@ def test_busy_is_the_union_of_kernels_over_the_annotated_span():
     assert busy["sync_calls"] == {"cudaStreamSynchronize": {"count": 1, "ms": 0.12}}
 
 
+def test_busy_spans_the_device_side_of_the_annotation_when_the_trace_has_it():
+    """The host span opens before its first kernel runs (the queue ahead of it) and closes after
+    a sync: the device side of the span (first to last device work launched in it) is the
+    window; the host span still bounds the sync calls and gives the wall time."""
+    trace = {"traceEvents": [
+        _event(gpu_mfu.SPAN, "user_annotation", 1000, 1000),
+        _event(gpu_mfu.SPAN, "gpu_user_annotation", 1200, 500, tid=7),
+        _event("gemm", "kernel", 1100, 200, tid=7),  # the warm-up's tail: [1200, 1300] counts
+        _event("gemm", "kernel", 1400, 200, tid=7),
+        _event("ln", "kernel", 1650, 50, tid=7),
+        _event("cudaDeviceSynchronize", "cuda_runtime", 1700, 250),
+    ]}
+    busy = gpu_mfu.busy_from_trace(trace)
+    assert busy["busy_pct"] == pytest.approx(100.0 * (100 + 200 + 50) / 500)
+    assert busy["wall_ms"] == pytest.approx(1.0)
+    assert busy["sync_calls"] == {"cudaDeviceSynchronize": {"count": 1, "ms": 0.25}}
+
+
 def test_busy_on_a_cpu_trace_is_the_span_threads_ops():
     trace = {"traceEvents": [
         _event(gpu_mfu.SPAN, "user_annotation", 0, 100),
@@ -122,3 +140,19 @@ def test_cpu_quick_prints_the_ratio_last_and_writes_the_json(tmp_path):
     assert 0 < r["busy"]["app"]["busy_pct"] <= 100 and r["busy"]["app"]["of"] == "cpu"
     assert (tmp_path / "trace-bert-tiny-app.json").exists()
     assert 0 <= r["data_wait_pct"] < 100 and r["setup"]["precision"] == "fp32"
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_the_checks_asked_for():
+    """`--only` reruns a part of bench/gpu_check.sh (what a short GPU lease cut off): an unknown
+    name is refused with exit 2; `--only probe` prints the probe's lines and trains nothing."""
+    def check(*args):
+        return subprocess.run(["bash", "bench/gpu_check.sh", *args], cwd=REPO, env=clean_env(),
+                              capture_output=True, text=True, timeout=300)
+    bad = check("--cpu", "--only", "probe,bogus")
+    assert bad.returncode == 2 and "unknown check 'bogus'" in bad.stderr, bad.stderr
+    ok = check("--cpu", "--only", "probe")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    checks = [line.split()[:2] for line in ok.stdout.splitlines()
+              if line.split()[:1] and line.split()[0] in ("PASS", "FAIL", "SKIP", "INFO")]
+    assert checks == [["INFO", "flash-attn"], ["INFO", "FusedAdam"]], ok.stdout

@@ -100,9 +100,9 @@ SKIP_FRAMES = (os.path.dirname(torch.__file__) + os.sep,
 
 def call_site() -> str:
     """The first frame outside torch, DeepSpeed's accelerator shim and this file: who asked.
-    Where there is none (a thread that runs only torch's code, such as autograd's or the pin
-    memory thread; the second H100 run's one sync in an ordinary step), the thread's name and
-    its innermost frame other than this file's and warnings'."""
+    Where there is none (a thread that runs only torch's code, such as autograd's device
+    threads: the second H100 run's one sync in an ordinary step), the thread's name and its
+    innermost frame other than this file's and warnings'."""
     stack = traceback.extract_stack()[:-2]
     for f in reversed(stack):
         if not any(s in f.filename for s in SKIP_FRAMES):
@@ -249,6 +249,12 @@ def busy_from_trace(trace: dict[str, Any]) -> dict[str, Any]:
 
 
 PROFILE_LEAD = 2  # the profiler's warm-up steps, just before the recorded ones, no sync between
+
+
+def steps_a_side(g: dict[str, int]) -> int:
+    """The most steps one side runs: warm-up, the timed blocks, the sync count's two blocks and
+    a spare, the profiler's warm-up and the profiled steps."""
+    return g["warmup"] + g["block"] * (g["rounds"] + 3) + PROFILE_LEAD + g["profile_steps"]
 
 
 def profile_steps(step: Callable[[], None], steps: int, sync: Callable[[], None],
@@ -586,8 +592,7 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
     micro = g["micro_batch"]
     while True:
         tag = f"{model}-mb{micro}"
-        steps = (g["warmup"] + g["block"] * (g["rounds"] + 3) + g["profile_steps"]
-                 + PROFILE_LEAD)
+        steps = steps_a_side(g)
         spec = {**g, "model": model, "micro_batch": micro, "data": str(data),
                 "zero": args.zero, "compile": args.compile,
                 "run": str(out / "runs" / tag), "out": str(out), "max_steps": steps,
@@ -736,8 +741,7 @@ def dataset(tmp: Path, fam: str, args, g: dict[str, int]) -> Path:
     not repeat them (the loader's epoch boundary is no part of a step's cost)."""
     root = tmp / fam
     if not (root / "dataset.json").exists():
-        steps = (g["warmup"] + g["block"] * (g["rounds"] + 3) + g["profile_steps"]
-                 + PROFILE_LEAD)
+        steps = steps_a_side(g)
         tokens = args.tokens or 2 * steps * g["micro_batch"] * g["seq_len"] + 200_000
         root.mkdir()
         make_dataset(root, tokens, shards=2, vocab=VOCABS[fam])

@@ -27,6 +27,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from app.runtime.gather import TRACE_ENV as GATHER_TRACE_ENV  # noqa: E402
+from app.runtime.overlap import TRACE_ENV as REDUCER_TRACE_ENV  # noqa: E402
+
 
 def read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -71,9 +77,9 @@ def summary(rows: list[dict[str, float]], skip: int) -> dict[str, dict[str, floa
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/overlap_timeline.py",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("reducer", type=Path, help="DSPRETRAIN_TEST_OVERLAP_TRACE's file of rank 0")
+    p.add_argument("reducer", type=Path, help=f"${REDUCER_TRACE_ENV}.rank0: the reducer's trace")
     p.add_argument("gather", type=Path, nargs="?",
-                   help="DSPRETRAIN_TEST_GATHER_TRACE's file of rank 0 (step, forward)")
+                   help=f"${GATHER_TRACE_ENV}.rank0: the gather's trace (step, forward)")
     p.add_argument("--skip", type=int, default=3, help="first steps left out (default 3)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

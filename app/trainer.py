@@ -50,6 +50,7 @@ from app.telemetry.timing import Window
 # A rank's row of a log step's `gather`: the anomaly marks, the loss sum, the micro steps and the
 # gradient norm, then from FIGURES on telemetry.interval's columns (wall time, data wait, ...)
 LOSS_SUM, MICRO_STEPS, GRAD_NORM, FIGURES = 2, 3, 4, 5
+REAL_TOKENS = FIGURES + telemetry.ROW.index("real_tokens")
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ class Trainer:
         self.grad_accum = engine.gradient_accumulation_steps()
         self.batches: Iterator = iter(train_batches(state.consumed_samples,
                                                     guards.recovery.skip))
-        self.window = Window(state.step, sync=synchronize, clock=compute_clock)
+        self.window = Window(state.step, sync=synchronize, clock=compute_clock,
+                             step_clock=compute_clock.another())
         self._reset_window()
         self.last_eval: dict[str, float] = {}
         self.intervals: list[dict[str, Any]] = []  # the logged figures, for summary.json
@@ -169,7 +171,8 @@ class Trainer:
                 self._grad_norm = grad_norm_before_step(self.engine)
                 self._state_bytes = model_state_bytes(self.engine)  # while gradients exist
             beat("in the optimizer step")
-            self._optimizer_step()
+            with self.window.optimizer():
+                self._optimizer_step()
             loss = loss.detach().float()  # no copy when it is fp32 already
             step_loss = loss if step_loss is None else step_loss + loss
         self._loss_sum += step_loss
@@ -207,7 +210,8 @@ class Trainer:
                                                  norm.double().view(1)]).tolist()
             row = [*monitor.judge(losses), loss_sum, float(self._micro_steps), norm, wall,
                    self.window.data_wait, self.window.forward_seconds(), *memory_gb(),
-                   self._state_bytes / 2**30, float(self._real_tokens)]
+                   self._state_bytes / 2**30, float(self._real_tokens),
+                   self.window.optimizer_seconds()]
         rows = gather_rows([*row, float(self._real_pending)], self.device)
         return self._count_real_tokens(rows)
 
@@ -253,7 +257,7 @@ class Trainer:
                                        self.shape)}
         self.logger.log(record)
         self.train_seconds += wall
-        self.session_real_tokens += sum(r[-1] for r in rows)
+        self.session_real_tokens += sum(r[REAL_TOKENS] for r in rows)
         if not self.intervals:
             self.logger.note(telemetry.expected_time(record["perf/step_time_ms"],
                                                      self.schedule.stop_step - s.step))

@@ -477,7 +477,8 @@ def measure(system: str, nodes: int, rate: int | None, args: argparse.Namespace,
     if rc != 0:
         return {"error": f"exit {rc} (log: {run_dir.with_suffix('.log')})"}
     figures = run_figures(run_dir, nodes)
-    return {"tokens_per_sec": figures["tokens_per_sec"], "step_time_ms": figures["step_time_ms"]}
+    return {k: figures.get(k) for k in ("tokens_per_sec", "step_time_ms", "optimizer_ms",
+                                        "forward_ms")}
 
 
 def allreduce_ms(rate: int | None, args: argparse.Namespace, out: Path) -> float:
@@ -575,7 +576,8 @@ def scale_rates(args: argparse.Namespace, out: Path) -> tuple[list[int | None], 
     base, facts = calibrate(args, out)
     ratios = [float(r) for r in args.ratios.split(",")]
     # comm / compute = r  ->  rate = base / r (rounded to whole Mbit/s)
-    return [max(10**6, round(base / r / 1e6) * 10**6) for r in ratios], facts
+    rates: list[int | None] = [max(10**6, round(base / r / 1e6) * 10**6) for r in ratios]
+    return rates + [None] * args.unshaped, facts
 
 
 def one_repeat(rep: int, rates: list[int | None], args: argparse.Namespace, out: Path,
@@ -612,20 +614,24 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def plan_scaling(args: argparse.Namespace, compute_ms: float, rate: int | None,
+def plan_scaling(args: argparse.Namespace, compute: tuple[float, ...], rate: int | None,
                  help_text: str) -> dict[str, float] | None:
     """The planner's predicted 2-node efficiency per ZeRO stage at `rate` (`app plan
-    --compute-ms M --net-gbps G --nodes 2 --json`), or None when it says nothing usable. The
-    run's own facts go with it where the planner takes them: fp32, the CPU accelerator's overlap,
-    the dataset's vocabulary."""
+    --compute-ms M --net-gbps G --nodes 2 --json`), or None when it says nothing usable.
+    `compute`: the measured 1-node step, and where the run logged them its optimizer step and
+    forward pass (--step-ms, --forward-ms). The run's own facts go with it where the planner
+    takes them: fp32, the CPU accelerator's overlap, the dataset's vocabulary."""
     from data_tools.manifest import load_manifest
 
+    compute_ms, step_ms, forward_ms = (*compute, None, None)[:3]
     cmd = [sys.executable, "-m", "app", "plan", *model_flags(args), "--gpus", "2",
            "--gpus-per-node", "1", "--nodes", "2", "--compute-ms", f"{compute_ms:.1f}",
            "--net-gbps", f"{(rate or 100e9) * TCP_PAYLOAD_SHARE / 1e9:g}", "--json"]
     for flag, value in (("--precision", "fp32"), ("--device-kind", "cpu"),
-                        ("--vocab-size", str(load_manifest(args.data)["vocab_size"]))):
-        if flag in help_text:
+                        ("--vocab-size", str(load_manifest(args.data)["vocab_size"])),
+                        ("--step-ms", step_ms and f"{step_ms:.1f}"),
+                        ("--forward-ms", forward_ms and f"{forward_ms:.1f}")):
+        if flag in help_text and value:
             cmd += [flag, value]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=node_env(1))
     if proc.returncode != 0:
@@ -667,9 +673,9 @@ def stage_efficiency(plan, key: str = "efficiency") -> dict[str, float]:
 def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
             ) -> tuple[dict, dict]:
     """({rate: {stage: predicted efficiency}}, {rate: {stage: predicted 2-node step ms}}) with
-    each stage's own measured 1-node step (median over the repeats) as its compute (ZeRO-0's for
-    a stage not measured, where ZeRO-0 was; else the measured stages only); empty (and a note)
-    when the planner has no network model."""
+    each stage's own measured 1-node step, optimizer step and forward pass (medians over the
+    repeats) as its compute (ZeRO-0's for a stage not measured, where ZeRO-0 was; else the
+    measured stages only); empty (and a note) when the planner has no network model."""
     if not args.plan:
         return {}, {}
     help_text = subprocess.run([sys.executable, "-m", "app", "plan", "--help"],
@@ -677,11 +683,11 @@ def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
     if "--compute-ms" not in help_text or "--net-gbps" not in help_text:
         say("--plan: this app's `app plan` has no --compute-ms/--net-gbps; no planned curve")
         return {}, {}
-    ones: dict[str, list[float]] = {}
+    ones: dict[str, list[dict]] = {}
     for r in runs:
         if r["nodes"] == 1 and r["system"] != "ddp" and r.get("step_time_ms"):
-            ones.setdefault(r["system"], []).append(r["step_time_ms"])
-    own = {s: statistics.median(v) for s, v in ones.items()}
+            ones.setdefault(r["system"], []).append(r)
+    own = {s: one_node_compute(v) for s, v in ones.items()}
     if "zero0" in own:
         own = {s: own.get(s, own["zero0"]) for s in ("zero0", "zero1", "zero2")}
     eff: dict = {}
@@ -695,6 +701,18 @@ def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
                     if value is not None:
                         into.setdefault(rate_text(rate), {})[stage] = value
     return eff, step
+
+
+def one_node_compute(runs: list[dict]) -> tuple[float, ...]:
+    """(step ms, optimizer ms, forward ms), medians of a system's 1-node runs; the step alone
+    where the runs logged no optimizer or forward time."""
+    out = []
+    for key in ("step_time_ms", "optimizer_ms", "forward_ms"):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if len(values) < len(runs):
+            break
+        out.append(statistics.median(values))
+    return tuple(out)
 
 
 def measured_steps(runs: list[dict]) -> dict:
@@ -980,6 +998,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ratios", default="0.5,1,2",
                    help="with --calibrate: one all-reduce of the fp32 gradients over one 1-node "
                         "step, one rate each (default 0.5,1,2)")
+    s.add_argument("--unshaped", action="store_true",
+                   help="with --calibrate: the unshaped link too, after the calibrated rates")
     s.add_argument("--repeats", type=int, default=2, help="rounds, interleaved (default 2)")
     s.add_argument("--plan", action="store_true",
                    help="draw app plan's predicted efficiency too (needs app plan --compute-ms "

@@ -165,7 +165,8 @@ def test_the_plan_is_given_each_stages_own_compute(mlm_dataset):
     rate = 570_000_000
     eff, step = netsim.planned(args, runs, [rate])
     help_text = "--compute-ms --net-gbps --precision --device-kind --vocab-size"
-    own = {c: netsim.plan_scaling(args, c, rate, help_text)["step_ms"] for c in (110.0, 150.0)}
+    own = {c: netsim.plan_scaling(args, (c,), rate, help_text)["step_ms"]
+           for c in (110.0, 150.0)}
     assert step["570mbit"]["zero0"] == pytest.approx(own[110.0]["zero0"])
     assert step["570mbit"]["zero1"] == pytest.approx(own[150.0]["zero1"])
     assert step["570mbit"]["zero2"] == pytest.approx(own[110.0]["zero2"])
@@ -174,6 +175,14 @@ def test_the_plan_is_given_each_stages_own_compute(mlm_dataset):
     eff, step = netsim.planned(args, [r for r in runs if r["system"] != "zero0"], [rate])
     assert set(step["570mbit"]) == {"zero1"}
     assert step["570mbit"]["zero1"] == pytest.approx(own[150.0]["zero1"])
+    # runs that logged their optimizer step and forward pass: the plan gets those too (medians)
+    timed = [{"system": "zero1", "nodes": 1, "step_time_ms": 150.0, "optimizer_ms": o,
+              "forward_ms": f} for o, f in ((40.0, 20.0), (50.0, 30.0), (60.0, 25.0))]
+    _, step = netsim.planned(args, timed, [rate])
+    help_text += " --step-ms --forward-ms"
+    parts = netsim.plan_scaling(args, (150.0, 50.0, 25.0), rate, help_text)["step_ms"]
+    assert step["570mbit"]["zero1"] == pytest.approx(parts["zero1"])
+    assert parts["zero1"] != pytest.approx(own[150.0]["zero1"], rel=1e-3)
 
 
 def test_a_sweep_rate_runs_each_world_on_the_simulated_cluster():

@@ -304,6 +304,37 @@ def test_compute_ms_replaces_the_estimate(capsys):
     assert est[0] == pytest.approx(5 * est[1])
 
 
+def test_windows_leave_out_the_optimizer_step():
+    assert network.windows_of(200.0, 1, 2 / 3) == pytest.approx(
+        {"backward": 400 / 3, "forward": 200 / 3})
+    assert network.windows_of(200.0, 1, 2 / 3, step_ms=50.0) == pytest.approx(
+        {"backward": 100.0, "forward": 50.0})
+    # measured forward (all micro steps' passes), two micro steps: the rest is backward's
+    assert network.windows_of(250.0, 2, 2 / 3, step_ms=50.0, forward_ms=60.0) == pytest.approx(
+        {"backward": 70.0, "forward": 30.0})
+
+
+def test_the_step_and_forward_parts_of_a_measured_step(capsys):
+    args = ["plan", "--model", "bert-tiny", "--model-arg", "hidden_size=256", "--seq-len",
+            "128", "--micro-batch", "8", "--gpus", "2", "--gpus-per-node", "1", "--precision",
+            "fp32", "--device-kind", "cpu", "--net-gbps", "0.5", "--compute-ms", "200"]
+    whole = plan_json(capsys, *args)["stages"]
+    parts = plan_json(capsys, *args, "--step-ms", "60", "--forward-ms", "20")
+    assert parts["network"]["step_ms"] == 60 and parts["network"]["forward_ms"] == 20
+    for a, b in zip(whole, parts["stages"]):
+        a, b = a["network"], b["network"]
+        assert b["compute_ms"] == a["compute_ms"] == 200  # parts of it, not added to it
+        # smaller windows hide less: no stage's exposed communication shrinks
+        assert b["exposed_comm_ms"] >= a["exposed_comm_ms"] - 1e-9
+    # ZeRO-1's gather hides behind forward: a 20 ms forward exposes more of it
+    assert parts["stages"][1]["network"]["exposed_comm_ms"] > \
+        whole[1]["network"]["exposed_comm_ms"] + 10
+    # the step does not grow with the batch: twice the micro batch doubles only the rest
+    from app.plan.planner import PlanRequest, compute_ms
+    req = PlanRequest(model="bert-tiny", micro_batch=8, compute_ms=200.0, step_ms=60.0)
+    assert compute_ms(req, 16, 1, None, 1.0) == pytest.approx(60 + 2 * 140)
+
+
 def test_table_has_the_network_section(capsys, tmp_path):
     png = tmp_path / "scaling.png"
     assert main([*BASE, "--interconnect", "400g-ib", "--plot", str(png)]) == 0
@@ -325,6 +356,10 @@ def test_table_has_the_network_section(capsys, tmp_path):
     (["--micro-batch", "4", "--compute-ms", "0"], "--compute-ms 0"),
     (["--overlap-fraction", "1.5"], "--overlap-fraction"),
     (["--net-cpu-ms-per-mb", "-1"], "--net-cpu-ms-per-mb -1"),
+    (["--step-ms", "30"], "--compute-ms too"),
+    (["--micro-batch", "4", "--compute-ms", "100", "--step-ms", "-1"], "--step-ms -1"),
+    (["--micro-batch", "4", "--compute-ms", "100", "--step-ms", "60", "--forward-ms", "40"],
+     "no backward"),
 ])
 def test_bad_network_flags_are_one_line(args, needle, one_line_error):
     assert main(["plan", "--model", "bert-tiny", *args]) == 2

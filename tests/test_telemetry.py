@@ -47,6 +47,14 @@ def test_model_state_is_the_largest_ranks_when_measured():
     assert "sys/model_state_gb" not in telemetry.interval(unmeasured, 4, shape())
 
 
+def test_optimizer_ms_is_the_mean_steps_device_time_when_logged():
+    # ROW's last column: seconds in engine.step() over the window (4 steps)
+    rows = [[2.0, 0.1, 0.4, 1.0, 1.5, 2.0, 0.0, 800.0, 0.2],
+            [2.2, 1.1, 0.5, 3.0, 3.5, 4.0, 0.0, 800.0, 0.3]]
+    assert telemetry.interval(rows, 4, shape())["perf/optimizer_ms"] == pytest.approx(62.5)
+    assert "perf/optimizer_ms" not in telemetry.interval([r[:8] for r in rows], 4, shape())
+
+
 def test_peak_flops_come_from_the_table_by_the_drivers_name():
     assert telemetry.peak_tflops("NVIDIA H100 80GB HBM3", "bf16", tf32=False) == 989.5
     assert telemetry.peak_tflops("NVIDIA H100 PCIe", "bf16", tf32=False) == 756.5
@@ -88,7 +96,8 @@ def test_metrics_are_present_and_sane_and_name_the_slow_rank(run):
     need = {"perf/tokens_per_sec", "perf/tokens_per_sec_per_device", "perf/samples_per_sec",
             "perf/step_time_ms", "perf/step_time_ms_max", "perf/step_time_ms_min",
             "perf/data_wait_pct", "perf/data_wait_pct_max", "perf/slowest_rank",
-            "perf/tflops_per_device", "sys/mem_gb", "sys/max_mem_gb"}
+            "perf/tflops_per_device", "sys/mem_gb", "sys/max_mem_gb", "perf/forward_ms",
+            "perf/optimizer_ms"}
     assert need <= set(rows[0]), need - set(rows[0])
     assert "perf/mfu" not in rows[0]  # CPU: no peak to compare with, so no MFU invented
     for r in rows:
@@ -96,6 +105,9 @@ def test_metrics_are_present_and_sane_and_name_the_slow_rank(run):
         assert r["perf/slowest_rank"] == 1  # its loader waits 50 ms a micro batch
         assert r["perf/data_wait_pct_max"] > r["perf/data_wait_pct_min"] + 5
         assert r["sys/max_mem_gb"] >= r["sys/mem_gb"] > 0
+        # the step's parts are parts of it: an optimizer step runs, and takes less than a step
+        assert 0 < r["perf/optimizer_ms"] < r["perf/step_time_ms"]
+        assert r["perf/optimizer_ms"] + r["perf/forward_ms"] < r["perf/step_time_ms"]
     assert "run: 2 rank(s) on 1 node(s); global batch 8 samples" in log
     assert "expected: " in log and "no MFU on CPU" in log
     summary = json.loads((out / "summary.json").read_text())

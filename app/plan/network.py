@@ -484,16 +484,30 @@ class StepTime:
         return self.compute_ms + self.exposed_comm_ms
 
 
+def windows_of(compute_ms: float, grad_accum: int, backward_fraction: float,
+               step_ms: float = 0.0, forward_ms: float | None = None) -> dict[str, float]:
+    """A micro step's windows: the compute of the micro steps less the optimizer step
+    (`step_ms`, once per optimizer step, which nothing overlaps), split into forward
+    (`forward_ms` over all micro steps where measured, else 1 - `backward_fraction` of it) and
+    backward (the rest)."""
+    micro = max(compute_ms - step_ms, 0.0) / grad_accum
+    if forward_ms is None:
+        return {"backward": micro * backward_fraction, "forward": micro * (1 - backward_fraction)}
+    forward = min(forward_ms / grad_accum, micro)
+    return {"backward": micro - forward, "forward": forward}
+
+
 def step_time(colls: list[Collective], nodes: int, per_node: int, link: Link,
               compute_ms: float, grad_accum: int = 1,
-              backward_fraction: float = BACKWARD_FRACTION) -> StepTime:
+              backward_fraction: float = BACKWARD_FRACTION, step_ms: float = 0.0,
+              forward_ms: float | None = None) -> StepTime:
     """Step time from the collectives and the compute of one optimizer step (`compute_ms`, all
-    `grad_accum` micro steps). Overlapped collectives of a phase share its window of each micro
-    step (backward: `backward_fraction` of it); boundary ones use the last micro step's; where
-    they carry a layout, the pipeline of `phase_exposed`. The CPU the node's core spends on the
-    step's bytes (`link.cpu_ms_per_mb`) is paid on top, overlapped or not."""
-    micro = compute_ms / grad_accum
-    windows = {"backward": micro * backward_fraction, "forward": micro * (1 - backward_fraction)}
+    `grad_accum` micro steps, the optimizer step `step_ms` included). Overlapped collectives of
+    a phase share its window of each micro step (`windows_of`); boundary ones use the last
+    micro step's; where they carry a layout, the pipeline of `phase_exposed`. The CPU the
+    node's core spends on the step's bytes (`link.cpu_ms_per_mb`) is paid on top, overlapped or
+    not."""
+    windows = windows_of(compute_ms, grad_accum, backward_fraction, step_ms, forward_ms)
     parts, total, exposed = [], 0.0, 0.0
     for last in (False, True):  # the micro steps before the boundary, then the last one
         count = grad_accum - 1 if not last else 1
@@ -555,6 +569,12 @@ class Job:
     overlap: Overlap | None = None
     """None: OVERLAPPED's entry for the path and device."""
     backward_fraction: float = BACKWARD_FRACTION
+    step_ms: float = 0.0
+    """The optimizer step's part of `compute_ms` (measured: the run's perf/optimizer_ms): no
+    collective hides behind it. 0: counted as forward and backward."""
+    forward_ms: float | None = None
+    """The forward passes' part of `compute_ms` (measured: perf/forward_ms x grad_accum); None:
+    1 - backward_fraction of the forward and backward."""
     buckets: dict[str, int] = field(default_factory=dict)
     """reduce_bucket / allgather_bucket / prefetch_bucket / allreduce_bucket, and the app's
     reducer's reducer_bucket (elements; default: app/runtime/overlap.py's bucket_elements)."""
@@ -570,6 +590,14 @@ class Job:
             raise UserError(f"--compute-ms {self.compute_ms}: must be positive")
         if not 0 <= self.backward_fraction <= 1:
             raise UserError(f"--overlap-fraction {self.backward_fraction}: must be in [0, 1]")
+        if not 0 <= self.step_ms < self.compute_ms:
+            raise UserError(f"--step-ms {self.step_ms:g}: must be 0 or more and below the "
+                            f"compute time ({self.compute_ms:g} ms)")
+        if self.forward_ms is not None and not 0 <= self.forward_ms <= self.compute_ms \
+                - self.step_ms:
+            raise UserError(f"--forward-ms {self.forward_ms:g}: must be 0 or more and at most "
+                            f"the compute time less the optimizer step "
+                            f"({self.compute_ms - self.step_ms:g} ms)")
         for name, value in (("grad_accum", self.grad_accum), ("per_node", self.per_node),
                             ("params", self.params)):
             if value < 1:
@@ -601,7 +629,7 @@ class Job:
 
     def at(self, nodes: int) -> StepTime:
         return step_time(self.collectives(), nodes, self.per_node, self.link, self.compute_ms,
-                         self.grad_accum, self.backward_fraction)
+                         self.grad_accum, self.backward_fraction, self.step_ms, self.forward_ms)
 
     def scaling(self, nodes: int, tokens_per_step_per_device: int) -> list[dict[str, Any]]:
         """tokens/s and efficiency (tokens/s per device against one node's) at 1, 2, 4 ... N."""

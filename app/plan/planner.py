@@ -169,6 +169,12 @@ class PlanRequest:
     compute_ms: float | None = None
     """A measured one-node optimizer step (at --micro-batch and --grad-accum), replacing the
     FLOPs/MFU estimate of compute."""
+    step_ms: float | None = None
+    """The optimizer step's part of --compute-ms (a run's perf/optimizer_ms): once per
+    optimizer step whatever the batch, and no communication hides behind it."""
+    forward_ms: float | None = None
+    """The forward passes' part of --compute-ms per micro step (a run's perf/forward_ms): the
+    window the weight gathers hide behind; the rest less the step is backward's."""
     overlap_fraction: float = network.BACKWARD_FRACTION
     """The share of a micro step a gradient reduction can hide behind (backward)."""
     device_kind: str = "gpu"
@@ -219,6 +225,18 @@ class PlanRequest:
         if self.compute_ms is not None and self.micro_batch is None:
             raise UserError(f"--compute-ms {self.compute_ms}: give the --micro-batch it was "
                             f"measured at")
+        for name in ("step_ms", "forward_ms"):
+            value = getattr(self, name)
+            if value is not None and self.compute_ms is None:
+                raise UserError(f"--{_flag(name)} {value:g}: a part of a measured step; give "
+                                f"--compute-ms too")
+            if value is not None and not value >= 0:
+                raise UserError(f"--{_flag(name)} {value:g}: must be 0 or more")
+        parts = (self.step_ms or 0) + (self.forward_ms or 0) * self.grad_accum
+        if self.compute_ms is not None and parts >= self.compute_ms:
+            raise UserError(f"--step-ms {self.step_ms or 0:g} + --forward-ms "
+                            f"{self.forward_ms or 0:g} x {self.grad_accum} micro steps: leaves "
+                            f"no backward in --compute-ms {self.compute_ms:g}")
 
     @property
     def per_node(self) -> int:
@@ -395,12 +413,27 @@ class StageNetwork:
 def compute_ms(req: PlanRequest, micro: int, grad_accum: int, peak: float | None,
                fpt: float) -> float | None:
     """One optimizer step's compute on one device: --compute-ms scaled by samples per device
-    from the micro batch and accumulation it was measured at, else FLOPs at the assumed MFU."""
+    from the micro batch and accumulation it was measured at (its --step-ms part as it is: once
+    a step), else FLOPs at the assumed MFU."""
     if req.compute_ms is not None:
-        return req.compute_ms * (micro * grad_accum) / (req.micro_batch * req.grad_accum)
+        step = req.step_ms or 0.0
+        return step + (req.compute_ms - step) * samples_ratio(req, micro, grad_accum)
     if peak is None:
         return None
     return 1000 * micro * grad_accum * req.seq_len * fpt / (req.mfu * peak * 1e12)
+
+
+def samples_ratio(req: PlanRequest, micro: int, grad_accum: int) -> float:
+    """Samples per device per step against those --compute-ms was measured at."""
+    return (micro * grad_accum) / (req.micro_batch * req.grad_accum)
+
+
+def forward_ms(req: PlanRequest, micro: int, grad_accum: int) -> float | None:
+    """All micro steps' forward passes at a micro batch and accumulation, from --forward-ms
+    (per micro step at --micro-batch); None where not measured."""
+    if req.forward_ms is None:
+        return None
+    return req.forward_ms * req.grad_accum * samples_ratio(req, micro, grad_accum)
 
 
 def cpu_ms_per_mb(req: PlanRequest) -> float:
@@ -422,6 +455,8 @@ def network_job(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, net: Networ
         layout=backward_layout(info, req.mask_prob),
         compute_ms=compute or 1.0, grad_accum=grad_accum, precision=req.precision,
         comm_dtype=comm_dtype, backward_fraction=req.overlap_fraction, device=req.device_kind,
+        step_ms=(req.step_ms or 0.0) if compute else 0.0,
+        forward_ms=forward_ms(req, micro, grad_accum) if compute else None,
         buckets={"reduce_bucket": setup.reduce_bucket, "allgather_bucket": setup.allgather_bucket,
                  "prefetch_bucket": setup.prefetch_bucket,
                  "allreduce_bucket": setup.allreduce_bucket},
@@ -695,6 +730,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
                     "intra_latency_us": plan.net.link.intra_latency_us,
                     "nodes": plan.net.nodes, "gpus_per_node": req.per_node,
                     "compute_from": "measured" if req.compute_ms else "mfu",
+                    "step_ms": req.step_ms, "forward_ms": req.forward_ms,
                     "overlap_fraction": req.overlap_fraction, "device_kind": req.device_kind,
                     "net_cpu_ms_per_mb": cpu_ms_per_mb(req),
                     "recommendation": plan.net_reason},
@@ -743,8 +779,11 @@ def render_network(plan: Plan) -> list[str]:
     req, net, link = plan.request, plan.net, plan.net.link
     source = (f"{net.interconnect} preset" if net.interconnect else "flags") + (
         ", assumed: give --interconnect or --net-gbps" if net.assumed else "")
+    parts = "".join(f", {name} {value:g} ms" for name, value in (
+        ("optimizer step", req.step_ms), ("forward per micro step", req.forward_ms))
+        if value is not None)
     compute = (f"compute: measured {req.compute_ms:g} ms per step at micro batch "
-               f"{req.micro_batch} x {req.grad_accum}" if req.compute_ms else
+               f"{req.micro_batch} x {req.grad_accum}{parts}" if req.compute_ms else
                "compute: FLOPs at the assumed MFU" if plan.peak_tflops else
                "compute: unknown (no peak TFLOP/s), so communication only")
     lines = [f"network: {link.inter_gbps:,g} Gb/s per node, {link.inter_latency_us:g} us per "
@@ -874,6 +913,12 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
       "(default: what app train gives DeepSpeed)")
     a("--compute-ms", type=float, metavar="MS", help="a measured one-node optimizer step at "
       "--micro-batch and --grad-accum: replaces the FLOPs/MFU estimate")
+    a("--step-ms", type=float, metavar="MS", help="the optimizer step's part of --compute-ms "
+      "(a run's perf/optimizer_ms): nothing overlaps it, and it does not grow with the batch "
+      "(default: counted as forward and backward)")
+    a("--forward-ms", type=float, metavar="MS", help="the forward pass's part of --compute-ms "
+      "per micro step (a run's perf/forward_ms): the window ZeRO-1/2's weight gathers hide "
+      "behind; backward is the rest (default: --overlap-fraction)")
     a("--overlap-fraction", type=float, default=network.BACKWARD_FRACTION, metavar="F",
       help="share of a micro step that hides an overlapped gradient reduction (default 2/3: "
       "backward)")

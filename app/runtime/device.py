@@ -389,6 +389,12 @@ class ComputeClock:
         end.record()
         self._pairs.append((start, end))
 
+    def another(self) -> "ComputeClock":
+        """A clock of its own on the same device (a second kind of span)."""
+        twin = ComputeClock.__new__(ComputeClock)
+        twin._event, twin._pairs, twin._seconds = self._event, [], 0.0
+        return twin
+
     def take(self) -> float:
         """Seconds measured since the last take (call after synchronize)."""
         seconds = self._seconds + sum(a.elapsed_time(b) for a, b in self._pairs) / 1000.0

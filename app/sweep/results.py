@@ -54,6 +54,8 @@ def run_figures(run_dir: Path, world: int) -> dict[str, Any]:
             "step_time_ms_min": min(times, default=None),
             "step_time_ms_max": max(times, default=None),
             "step_time_ms_slowest_rank": _median(steady, "perf/step_time_ms_max"),
+            "optimizer_ms": _median(steady, "perf/optimizer_ms"),
+            "forward_ms": _median(steady, "perf/forward_ms"),
             "data_wait_pct": _median(steady, "perf/data_wait_pct"),
             "data_wait_pct_max": _median(steady, "perf/data_wait_pct_max"),
             "mfu": _median(steady, "perf/mfu"),

@@ -21,7 +21,7 @@ from app.telemetry import hardware
 
 # the order of one rank's row in the gather
 ROW = ("wall", "data_wait", "forward", "mem", "mem_reserved", "mem_peak", "model_state",
-       "real_tokens")
+       "real_tokens", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ def interval(rows: Sequence[Sequence[float]], steps: int, shape: RunShape) -> di
            "sys/mem_gb": max(col["mem"]), "sys/mem_reserved_gb": max(col["mem_reserved"]),
            "sys/max_mem_gb": max(col["mem_peak"]),
            "data/padding_pct": 100.0 * max(0.0, 1.0 - real / max(window_tokens, 1))}
+    if "optimizer" in col:  # engine.step() at the boundaries: the part nothing overlaps
+        out["perf/optimizer_ms"] = 1000.0 * sum(col["optimizer"]) / n / steps
     if max(col.get("model_state", [0.0])) > 0:  # measured at the window's last step
         out["sys/model_state_gb"] = max(col["model_state"])
     if shape.peak_tflops:

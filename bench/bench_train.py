@@ -38,6 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from app import child_pythonpath  # noqa: E402
 from app.data.loader import DataSpec, build_train_loader, default_num_workers  # noqa: E402
 from app.model import build_config, build_model, parse_overrides  # noqa: E402
 from app.schedule import schedule_fn  # noqa: E402
@@ -100,8 +101,7 @@ def reference_run(args, side: str = "ref") -> dict:
     other's leftovers (loader workers, spinning OpenMP threads)."""
     python = sys.executable if side == "ref" else str(args.python)
     cmd = [python, __file__, "--side-only", side, *sys.argv[1:]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     if side == "hf":  # the Trainer's DeepSpeed needs a process group: a world of one
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(args.port + 1))

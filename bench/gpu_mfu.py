@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from app import child_pythonpath  # noqa: E402
 from bench.bench_loader import make_dataset  # noqa: E402
 from bench.bench_step import alternate  # noqa: E402
 
@@ -601,10 +602,9 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, __file__, "--child", str(spec_path),
                *(["--cpu"] if args.cpu else [])]
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         with open(out / f"{tag}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": path}).returncode
+                                env={**os.environ, "PYTHONPATH": child_pythonpath()}).returncode
         if rc == OOM_EXIT and micro > 8:
             print(f"{model}: out of memory at micro batch {micro}; trying {micro // 2}")
             micro //= 2

@@ -40,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from app import child_pythonpath  # noqa: E402
 from data_tools.errors import UserError  # noqa: E402
 
 PREFIX = "nsim"
@@ -300,8 +301,7 @@ def node_env(threads: int, extra: dict[str, str] | None = None) -> dict[str, str
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update({"GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": str(threads),
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                            os.environ.get("PYTHONPATH")])),
+                "PYTHONPATH": child_pythonpath(),
                 "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
                 "CUDA_VISIBLE_DEVICES": ""})
     env.update(extra or {})

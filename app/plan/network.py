@@ -34,7 +34,9 @@ is shared by its g devices, so it carries the whole tensor's share):
 
 per bucket of B bytes (a = the per-message latency of one ring step).
 
-What the step waits for (a pipeline, not a share of backward that hides everything):
+What the step waits for (a pipeline, not a share of backward that hides everything), in the
+windows of `windows_of`: the compute less the optimizer step (`Job.step_ms`, which nothing
+overlaps), split into forward (measured, or 1 - backward_fraction) and backward:
 
     ready_b     a bucket's gradients are final at the share of backward's work done after the
                 last use of its last parameter (the planner's `backward_layout`: matmul work by

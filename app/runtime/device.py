@@ -372,6 +372,7 @@ class ComputeClock:
     where work is synchronous, the host clock."""
 
     def __init__(self, device: Device):
+        self.device = device
         self._event = None if device.is_cpu else accelerator().Event
         self._pairs: list = []
         self._seconds = 0.0
@@ -391,9 +392,7 @@ class ComputeClock:
 
     def another(self) -> "ComputeClock":
         """A clock of its own on the same device (a second kind of span)."""
-        twin = ComputeClock.__new__(ComputeClock)
-        twin._event, twin._pairs, twin._seconds = self._event, [], 0.0
-        return twin
+        return ComputeClock(self.device)
 
     def take(self) -> float:
         """Seconds measured since the last take (call after synchronize)."""

@@ -119,10 +119,16 @@ class ParamGather:
         return [p.narrow(0, start, length) for p in part]
 
     def launch(self) -> None:
-        """Every chunk's all-gather, in chunk order, without waiting."""
-        self.flush()
-        self.done = set()
-        for c in range(self.chunks):
+        """Every chunk's all-gather not launched yet, in chunk order, without waiting."""
+        self.launch_upto(self.chunks)
+
+    def launch_upto(self, end: int) -> None:
+        """Launch the chunks before `end` not launched yet, in chunk order: the step calls this
+        as its groups' partitions become final (`_launching_early`), then `launch` for the
+        rest. The step's wrapper has flushed the previous step's chunks (`_launching`)."""
+        if not self.works:
+            self.done = set()
+        for c in range(len(self.works), min(end, self.chunks)):
             works = []
             for g, group in enumerate(self.groups):
                 views = self.pieces(g, c)
@@ -250,6 +256,8 @@ def install(engine) -> str | None:
                          opt.nccl_start_alignment_factor, by_group=by_group)
     _install_dispatch()
     opt.step = _launching(opt.step, gather)
+    if by_group and isinstance(opt, DeepSpeedZeroOptimizer):
+        opt._optimizer_step = _launching_early(opt._optimizer_step, gather)
     for name in ("save_checkpoint", "load_checkpoint"):
         setattr(engine, name, _flushing(getattr(engine, name), gather))
     engine.module.state_dict = _flushing(engine.module.state_dict, gather)
@@ -271,12 +279,29 @@ def _launching(step: Callable, gather: ParamGather) -> Callable:
     @functools.wraps(step)
     def step_and_launch(*args, **kwargs):
         gather.flush()
+        gather._event("step", -1)
         _ACTIVE["gather"] = gather
         try:
             return step(*args, **kwargs)
         finally:
             _ACTIVE["gather"] = None
     return step_and_launch
+
+
+def _launching_early(group_step: Callable, gather: ParamGather) -> Callable:
+    """DeepSpeedZeroOptimizer's step runs the optimizer one parameter group at a time
+    (`_optimizer_step(i)`) and writes group i's partition into the weights before group i + 1's
+    turn. With the app's layer blocks, chunk g is group g: when group i's turn begins, chunks
+    0 .. i - 1 are final and go on the wire while the later groups step, instead of after the
+    last one (measured: the ZeRO-1 step of the netsim model took 40 ms before its gather began,
+    docs/benchmarks.md "netsim scale, round 6")."""
+    @functools.wraps(group_step)
+    def step_group(group_no, *args, **kwargs):
+        if _ACTIVE["gather"] is gather:
+            gather._event("optimizer", group_no)
+            gather.launch_upto(group_no)
+        return group_step(group_no, *args, **kwargs)
+    return step_group
 
 
 def _flushing(method: Callable, gather: ParamGather) -> Callable:

@@ -404,9 +404,21 @@ MEASURED_PARTS = [  # (stage, rate Mbit/s, 2-node step ms)
     (2, 768, 315.3), (2, 384, 352.3), (2, 192, 559.7), (2, 100_000, 251.7)]
 
 
-@pytest.mark.parametrize("stage,mbit,two", MEASURED_PARTS)
-def test_planned_step_from_a_runs_parts_within_15_percent(capsys, stage, mbit, two):
-    compute, step, forward = ROUND5[stage]
+# Round 6 (docs/benchmarks.md "netsim scale, round 6", the round 5 machine): ZeRO-1/2 with the
+# gradient norm in one collective and the weight gather launched group by group; every cell,
+# unshaped included.
+ROUND6 = {0: (186.5, 17.0, 77.8), 1: (216.3, 27.4, 81.9), 2: (209.8, 26.0, 80.6)}
+MEASURED_ROUND6 = [  # (stage, rate Mbit/s, 2-node step ms)
+    (0, 796, 253.2), (0, 398, 340.7), (0, 199, 534.1), (0, 100_000, 232.6),
+    (1, 796, 269.8), (1, 398, 315.6), (1, 199, 486.8), (1, 100_000, 246.1),
+    (2, 796, 264.2), (2, 398, 338.0), (2, 199, 522.8), (2, 100_000, 231.4)]
+
+
+@pytest.mark.parametrize("parts,stage,mbit,two",
+                         [(ROUND5, *row) for row in MEASURED_PARTS]
+                         + [(ROUND6, *row) for row in MEASURED_ROUND6])
+def test_planned_step_from_a_runs_parts_within_15_percent(capsys, parts, stage, mbit, two):
+    compute, step, forward = parts[stage]
     args = ["plan", "--model", "bert-tiny", "--model-arg", "hidden_size=256", "--model-arg",
             "num_attention_heads=4", "--model-arg", "intermediate_size=1024", "--seq-len", "128",
             "--micro-batch", "8", "--gpus", "2", "--gpus-per-node", "1", "--nodes", "2",

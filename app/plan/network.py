@@ -73,16 +73,16 @@ GLOO_CPU_MS_PER_MB = 1.4
 """CPU ms per MB a node sends, gloo between two one-core netsim nodes at 570 Mbit/s (process CPU
 of an all-reduce and an all-gather of 0.25-9.2 MB, `bench/netsim.py collectives`: 1.37 and
 1.41 ms per MB sent; docs/plan.md)."""
-ZERO2_GLOO_TIME = 1.8
+ZERO2_GLOO_TIME = 1.6
 """ZeRO-2's reduction on gloo (each slice to its owner, app/runtime/zero2_overlap.py: a
 reduce-scatter's bytes) costs about this many times a reduce-scatter's link time on the simulated
-cluster: fitted to the 2-node steps of docs/benchmarks.md "netsim scale, round 3b" (the plan 6%
-and 11% low at 1,121 and 560 Mbit/s, 3% high at 280, 7% low unshaped; a reduce-scatter's time
-alone left it 7-23% low). Round 4, with up to 4 buckets in flight where DeepSpeed's two ipg
-buffers allowed 2, leaves the plan 8% and 7% low, 9% high at 280 and 7% low unshaped: no single
-factor fits better, as the error falls with the rate. What costs the rest is not modelled term by
-term (measured, not explained; candidates: DeepSpeed launches a bucket in the hook of the
-gradient after it, and copies the owned gradients into the partition on the same core)."""
+cluster. First fitted (1.8) to the 2-node steps of docs/benchmarks.md "netsim scale, round 3b";
+refitted to rounds 4-6 together once round 6's ZeRO-2 step lost its 16 per-group norm
+collectives (patches.one_norm_collective), where 1.8 left the plan 16% high at 199 Mbit/s: with
+1.6 the plan is within 10% of every measured ZeRO-2 cell of rounds 4, 5 and 6 (three machines'
+worth of rates, unshaped included). What costs the rest is not modelled term by term (measured,
+not explained; candidates: DeepSpeed launches a bucket in the hook of the gradient after it, and
+copies the owned gradients into the partition on the same core)."""
 ALLREDUCE_BUCKET = 500_000_000
 """Elements per all-reduce at ZeRO-0 and in BF16_Optimizer (MEMORY_OPT_ALLREDUCE_SIZE)."""
 

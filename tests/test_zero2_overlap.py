@@ -74,6 +74,10 @@ def test_zero2_collectives_overlap_backward_and_train_the_same_losses(
             first_launch = kinds.index("launch")
             assert "ready" in kinds[first_launch:]
             assert kinds.index("backward_end") > first_launch
+            # the end of backward's last bucket (and an oversized gradient) goes out behind the
+            # ones in flight, before backward's end waits for any of them
+            assert max(i for i, kind in enumerate(kinds) if kind == "launch") \
+                < kinds.index("backward_end")
         # observed, not only ordered: some collective still running while backward went on
         assert any(_in_flight_while_backward_runs(b) for b in backwards)
         # more buckets in flight than DeepSpeed's two ipg buffers allow, never more than the cap

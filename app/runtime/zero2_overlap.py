@@ -11,11 +11,19 @@ This instance patch keeps DeepSpeed's arithmetic and launches the same collectiv
 order, with `async_op`: what follows them (the wait, the copy of the reduced values back into the
 ipg buffer and the fp32 partition, reduce_ipg_grads' epilogue) is deferred, oldest first, to a
 later bucket's launch once its collectives are done, or to the end of backward, where DeepSpeed's
-epilogue flushes the last bucket (`reduce_ipg_grads()` without a dtype). DeepSpeed alternates two
-ipg buffers, so a bucket still in flight would have to complete (backward waiting for the link)
-before its buffer is refilled by the bucket after next; instead, the buffer it still reads is
-handed to it and the refill goes to a spare one, up to `PENDING_BUCKETS` buckets in flight (on a
-2-node netsim link at comm = compute, backward waited for the previous bucket 24-43 ms a step).
+epilogue flushes the last bucket (`reduce_ipg_grads()` without a dtype). An oversized gradient
+(DeepSpeed keeps it outside the ipg buffers; in a BERT the tied word embeddings, whose gradient is
+final only at backward's end) is launched and deferred in the same way, and the end of backward
+launches its last bucket behind the ones in flight before it waits for any. (Completing them
+first, as this patch did before, held the embeddings' collective back 40 ms on the slower rank at
+comm = compute on the 2-node netsim link; the link stays busy with the earlier buckets meanwhile,
+so the step did not change beyond the run-to-run noise, docs/benchmarks.md.)
+
+DeepSpeed alternates two ipg buffers, so a bucket still in flight would have to complete
+(backward waiting for the link) before its buffer is refilled by the bucket after next; instead,
+the buffer it still reads is handed to it and the refill goes to a spare one, up to
+`PENDING_BUCKETS` buckets in flight (on a 2-node netsim link at comm = compute, backward waited
+for the previous bucket 24-43 ms a step).
 
 On gloo the bytes change too. Each slice of a bucket has one owner, yet DeepSpeed all-reduces the
 whole bucket (`use_multi_rank_bucket_allreduce`, its default), or with that off reduces each
@@ -23,11 +31,10 @@ owner's slices with gloo's `reduce`, which moved more than an all-reduce of the 
 (netsim `collectives`, 2 nodes at 570 Mbit/s, 4.6 MB: reduce to rank 0 86 ms, all-reduce 68, each
 rank sending the other its half 34). Here each rank sends every owner its slices (isend/irecv),
 and the owner sums the ranks' copies in rank order (`_to_owners`, `_pairwise_reduce`): a
-reduce-scatter's bytes, half an all-reduce's; also for the end of backward's last bucket and an
-oversized gradient, which DeepSpeed reduces outside the ipg buffers (waited for at once).
+reduce-scatter's bytes, half an all-reduce's.
 
-Everything it does not cover (offload, MoE, Muon, ZenFlow, an oversized gradient's overlap,
-reduce_scatter off, one ipg buffer) runs DeepSpeed's own code, synchronously.
+Everything it does not cover (offload, MoE, Muon, ZenFlow, reduce_scatter off, one ipg buffer)
+runs DeepSpeed's own code, synchronously.
 """
 from __future__ import annotations
 
@@ -161,29 +168,21 @@ class Zero2Overlap:
         return self.originals["reduce_independent_p_g_buckets_and_remove_grads"](param, i)
 
     def reduce_ipg_grads(self, comm_dtype=None):
-        """A full bucket of `comm_dtype` (from the hook): launched, its completion deferred.
-        Without a dtype (the end of backward) or with an oversized gradient: complete what is
-        pending, then DeepSpeed's own reduction."""
+        """A full bucket of `comm_dtype` (from the hook), or an oversized gradient (which
+        DeepSpeed keeps outside the ipg buffers): launched, its completion deferred. Without a
+        dtype (the end of backward) every dtype's last bucket is launched behind the ones in
+        flight, and then all of them are completed, oldest first."""
+        from deepspeed.runtime.torch_autocast import sort_dtypes
+
         opt = self.opt
-        if comm_dtype is None or comm_dtype in opt.extra_large_param_to_reduce:
-            end = comm_dtype is None
-            self.complete_all(end=end)
-            try:  # the last bucket (on gloo: to its owners, allreduce_and_copy_with_...)
-                return self.originals["reduce_ipg_grads"](comm_dtype)
-            finally:
-                if end:
-                    self._write_trace()
-        bucket = opt.ipg_buckets[comm_dtype]
-        params = list(bucket.params)
-        launched = self.deferring = _Launched(buffer=bucket.buffer[bucket.index])
-        try:
-            opt.average_tensor(launched.buffer.narrow(0, 0, bucket.elements), comm_dtype)
-        finally:
-            self.deferring = None
-        launched.completions.append(lambda: self._epilogue(params))
-        bucket.clear()
-        self.pending.append(launched)
-        self.deepest = max(self.deepest, len(self.pending))
+        if comm_dtype is None:
+            for dtype in sort_dtypes(opt.ipg_buckets.keys()):
+                if opt.ipg_buckets[dtype].elements:
+                    self._launch_bucket(dtype)
+            self.complete_all(end=True)
+            self._write_trace()
+            return
+        bucket = self._launch_bucket(comm_dtype)
         self._complete_done()
         # the caller swaps to the other ipg buffer next: if a bucket in flight still reads it,
         # that bucket keeps it and the refill goes to a spare
@@ -193,6 +192,31 @@ class Zero2Overlap:
                 self._complete_oldest()
             if any(p.buffer is bucket.buffer[other] for p in self.pending):
                 bucket.buffer[other] = self._spare(bucket.buffer[other])
+
+    def _launch_bucket(self, comm_dtype):
+        """Launch the ipg bucket of `comm_dtype` (its buffer's filled part, or the one oversized
+        gradient it holds, reduced in place as DeepSpeed does), its completion deferred; returns
+        the bucket, cleared."""
+        opt = self.opt
+        bucket = opt.ipg_buckets[comm_dtype]
+        params = list(bucket.params)
+        oversized = opt.extra_large_param_to_reduce.pop(comm_dtype, None)
+        if oversized is not None:
+            assert len(params) == 1, "an oversized gradient shares its bucket"
+            buffer, tensor = None, opt.get_gradient_for_reduction(oversized).view(-1)
+        else:
+            buffer = bucket.buffer[bucket.index]
+            tensor = buffer.narrow(0, 0, bucket.elements)
+        launched = self.deferring = _Launched(buffer=buffer)
+        try:
+            opt.average_tensor(tensor, comm_dtype)
+        finally:
+            self.deferring = None
+        launched.completions.append(lambda: self._epilogue(params))
+        bucket.clear()
+        self.pending.append(launched)
+        self.deepest = max(self.deepest, len(self.pending))
+        return bucket
 
     def describe_reduce(self) -> str:
         return ("each slice sent to its owner only" if self.pairwise
@@ -229,7 +253,8 @@ class Zero2Overlap:
         for completion in launched.completions:
             completion()
         live = [b for bucket in self.opt.ipg_buckets.values() for b in bucket.buffer]
-        if all(b is not launched.buffer for b in live) and len(self.spares) < PENDING_BUCKETS:
+        if launched.buffer is not None and all(b is not launched.buffer for b in live) \
+                and len(self.spares) < PENDING_BUCKETS:
             self.spares.append(launched.buffer)  # its gradients have moved out: reusable
 
     def _spare(self, like):
@@ -267,8 +292,8 @@ class Zero2Overlap:
                                                bucket_ranks=None, output_bucket=None):
         """DeepSpeed's all-reduce of a multi-rank bucket, asynchronous inside a deferred bucket:
         each slice is copied back, at completion, on the rank(s) that own it. On gloo with one
-        owner a slice, each slice goes to its owner only, also outside a deferred bucket (the
-        end of backward's last bucket, an oversized gradient), there waited for at once."""
+        owner a slice, each slice goes to its owner only, also outside a deferred bucket, there
+        waited for at once."""
         from deepspeed import comm as dist
 
         group = self.opt.dp_process_group if process_group is None else process_group

@@ -147,7 +147,7 @@ class Zero2Overlap:
 
         self.pairwise = tdist.get_backend(opt.dp_process_group) == "gloo"
         self.originals = {name: getattr(opt, name) for name in (
-            "reduce_ipg_grads", "allreduce_and_copy", "allreduce_and_copy_with_multiple_ranks",
+            "allreduce_and_copy", "allreduce_and_copy_with_multiple_ranks",
             "reduce_independent_p_g_buckets_and_remove_grads")}
         opt.reduce_ipg_grads = self.reduce_ipg_grads
         opt.allreduce_and_copy = self.allreduce_and_copy

@@ -290,30 +290,27 @@ class Zero2Overlap:
     def allreduce_and_copy_with_multiple_ranks(self, small_bucket, communication_data_type,
                                                log=None, divide=True, process_group=None,
                                                bucket_ranks=None, output_bucket=None):
-        """DeepSpeed's all-reduce of a multi-rank bucket, asynchronous inside a deferred bucket:
-        each slice is copied back, at completion, on the rank(s) that own it. On gloo with one
-        owner a slice, each slice goes to its owner only, also outside a deferred bucket, there
-        waited for at once."""
+        """DeepSpeed's all-reduce of a multi-rank bucket, asynchronous inside a deferred bucket
+        (average_tensor is called from reduce_ipg_grads only, which always defers): each slice
+        is copied back, at completion, on the rank(s) that own it. On gloo with one owner a
+        slice, each slice goes to its owner only."""
         from deepspeed import comm as dist
 
-        group = self.opt.dp_process_group if process_group is None else process_group
-        owners = [_single(r) for r in bucket_ranks]
-        to_owners = self.pairwise and None not in owners
-        if self.deferring is None and not to_owners:
+        if self.deferring is None:
             return self.originals["allreduce_and_copy_with_multiple_ranks"](
                 small_bucket, communication_data_type, log=log, divide=divide,
                 process_group=process_group, bucket_ranks=bucket_ranks,
                 output_bucket=output_bucket)
+        group = self.opt.dp_process_group if process_group is None else process_group
+        owners = [_single(r) for r in bucket_ranks]
+        to_owners = self.pairwise and None not in owners
         result = self._launch(small_bucket, communication_data_type,
                               owners if to_owners else None, divide, group)
         me = dist.get_rank(group=group)
         mine = [me in r if isinstance(r, frozenset) else me == r for r in bucket_ranks]
         outputs = output_bucket or [None] * len(small_bucket)
-        if self.deferring is None:
-            self._copy_back(result(), small_bucket, outputs, mine)
-        else:
-            self.deferring.completions.append(
-                lambda: self._copy_back(result(), small_bucket, outputs, mine))
+        self.deferring.completions.append(
+            lambda: self._copy_back(result(), small_bucket, outputs, mine))
 
     def _launch(self, small_bucket, comm_dtype, rank, divide, group) -> Callable:
         """DeepSpeed's allreduce_bucket with async_op; returns what waits for it and gives the
@@ -340,8 +337,7 @@ class Zero2Overlap:
         else:
             works, finish = [dist.reduce(sent, dist.get_global_rank(group, rank), group=group,
                                          async_op=True)], None
-        if self.deferring is not None:
-            self.deferring.works += works
+        self.deferring.works += works  # both callers launch inside a deferred bucket only
         if self.trace_path:  # a Work holds its tensor: kept past completion only when tracing
             self.works.append(works)
             self.events.append(("launch", k, time.perf_counter()))

@@ -183,7 +183,11 @@ def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
           f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
           file=sys.stderr)
     print(f"gradients: {engine_facts(engine)['grad_reduction']}", file=sys.stderr)
-    print(telemetry.banner(shape, nodes=run_config["environment"]["nodes"],
+    nodes = run_config["environment"]["nodes"]
+    hint = stage_hint(zero_stage(plan.ds_config), nodes)
+    if hint:
+        print(hint, file=sys.stderr)
+    print(telemetry.banner(shape, nodes=nodes,
                            total_steps=plan.total_steps, device=plan.device.model),
           file=sys.stderr)
     write_json_atomic(cfg.out / rundir.RUN_CONFIG, run_config)
@@ -191,6 +195,18 @@ def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
     if tok_src.is_dir():
         with output.writing(cfg.out / rundir.TOKENIZER_DIR):
             shutil.copytree(tok_src, cfg.out / rundir.TOKENIZER_DIR, dirs_exist_ok=True)
+
+
+def stage_hint(stage: int, nodes: int) -> str | None:
+    """The start-up line that points a ZeRO-0 run across nodes at `app plan`: ZeRO-0 sends every
+    gradient byte during backward, where ZeRO-1 sends half of them (its weight all-gather)
+    during the next forward. Which of them is faster depends on the link (docs/benchmarks.md,
+    netsim rounds 6-7: ZeRO-1 ahead at comm = compute, ZeRO-0 ahead on an unshaped link)."""
+    if stage != 0 or nodes < 2:
+        return None
+    return (f"network: ZeRO-0 across {nodes} nodes all-reduces every gradient during backward; "
+            f"ZeRO-1 moves half of those bytes during the next forward instead. `python -m app "
+            f"plan --nodes {nodes} --net-gbps G ...` compares the stages on your link")
 
 
 def describe_run(plan: Plan, engine, world: World, data_dirs: list[Path], n_params: int,

@@ -206,6 +206,15 @@ def test_a_sweep_rate_runs_each_world_on_the_simulated_cluster():
         sweep.parse(["rate=fast"])
 
 
+def test_only_a_zero0_run_across_nodes_is_pointed_at_the_plan():
+    from app.build import stage_hint
+
+    hint = stage_hint(0, 4)
+    assert hint.startswith("network: ZeRO-0 across 4 nodes") and "--nodes 4" in hint
+    assert stage_hint(0, 1) is None  # one node: no network between the ranks
+    assert stage_hint(1, 4) is None and stage_hint(3, 4) is None
+
+
 # -- on a cluster --------------------------------------------------------------------------------
 
 @needs_cluster
@@ -217,7 +226,10 @@ def test_two_shaped_nodes_train_as_two_ranks_on_one_node_and_leave_nothing(mlm_d
     shown = ok(proc)
     assert shown.count("qdisc htb 1: root") == 4, shown  # both ends of both links
     assert "2 rank(s) on 2 node(s)" in proc.stdout + proc.stderr
-    ok(train_on(mlm_dataset, tmp_path / "local", 1, 2, "none", 4))
+    assert "network: ZeRO-0 across 2 nodes" in proc.stdout + proc.stderr  # app.build.stage_hint
+    local = train_on(mlm_dataset, tmp_path / "local", 1, 2, "none", 4)
+    ok(local)
+    assert "network: " not in local.stdout + local.stderr
     same_losses(tmp_path / "net", tmp_path / "local")
     assert host_links() == links
     assert leftovers() == []

@@ -93,7 +93,8 @@ class TrainConfig:
     attn: str = "auto"
     """Attention kernel: auto (flash_attention_2 if installed on GPU, else sdpa), sdpa, eager."""
     compile: bool = False
-    """torch.compile the model (through DeepSpeed's engine.compile)."""
+    """torch.compile the model (through DeepSpeed's engine.compile). Measure it first
+    (bench/gpu_mfu.py --compile): on one H200 it made bert-120m's step 1.9x slower (docs/gpu.md)."""
     tf32: bool = False
     """Let fp32 matrix products use TF32 tensor cores (NVIDIA GPUs; ~8x faster, 10-bit mantissa)."""
     packing: str = "concat"

@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from app import child_pythonpath  # noqa: E402
+from bench.bench_compile_attn import GraphOps  # noqa: E402
 from bench.bench_loader import make_dataset  # noqa: E402
 from bench.bench_step import alternate  # noqa: E402
 
@@ -119,7 +120,8 @@ def short_path(path: str) -> str:
 
 
 class Syncs:
-    """Host<-device waits by call site while active, under the label `phase` ("step" or "log").
+    """Host<-device waits by call site while active, under the label `phase` ("step" or "log";
+    "switch" inside its own sync-debug mode changes).
 
     On a GPU: torch.cuda's device, event and stream `synchronize` (DeepSpeed's accelerator calls
     the first) and what `torch.cuda.set_sync_debug_mode("warn")` reports (`item`, nonzero, a
@@ -160,8 +162,19 @@ class Syncs:
             self._warnings.__enter__()
             warnings.simplefilter("always")
             self._show, warnings.showwarning = warnings.showwarning, self._on_warning
-            torch.cuda.set_sync_debug_mode("warn")
+            self._switch("warn")
         return self
+
+    def _switch(self, mode: str) -> None:
+        """Set torch's sync-debug mode, under the phase "switch": on the H200 runs each window
+        counted one sync-debug warning raised inside this call itself (innermost frame
+        torch/cuda/__init__.py's set_sync_debug_mode, before the first step), which is the
+        switch's, not a step's."""
+        phase, self.phase = self.phase, "switch"
+        try:
+            torch.cuda.set_sync_debug_mode(mode)
+        finally:
+            self.phase = phase
 
     def _enter_cpu(self) -> None:
         from deepspeed.accelerator import get_accelerator
@@ -186,7 +199,7 @@ class Syncs:
 
     def __exit__(self, *exc) -> None:
         if self.gpu:
-            torch.cuda.set_sync_debug_mode("default")
+            self._switch("default")
             self._warnings.__exit__(*exc)
         for owner, name, fn in reversed(self._saved):
             setattr(owner, name, fn)
@@ -500,13 +513,17 @@ def sync_sites(step: Callable[[], None], trainer, steps: int, log_every: int,
     per_step = sum(syncs.sites["step"].values()) / max(ordinary, 1)
     return {"steps": steps, "ordinary_steps": ordinary, "per_ordinary_step": per_step,
             "step_sites": dict(syncs.sites["step"].most_common()),
-            "log_sites": dict(syncs.sites["log"].most_common())}
+            "log_sites": dict(syncs.sites["log"].most_common()),
+            "switch_sites": dict(syncs.sites["switch"].most_common())}
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Both sides of one model: timed blocks, then the app's syncs, then profiles of each."""
     from app.runtime.device import synchronize
 
+    # with --compile, the attention the app's compiled graph holds (the H200 run: SDPA's math
+    # path where eager runs cuDNN's; bench/bench_compile_attn.py varies what differs)
+    graph_ops = GraphOps().install() if spec.get("compile") else None
     built = build_app(spec)
     trainer, gpu = built.trainer, torch.cuda.is_available()
     device = trainer.device
@@ -527,6 +544,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     result.update(data_wait_pct=100 * wait["seconds"] / app_seconds,
                   logged_data_wait_pct=logged(spec["run"], "perf/data_wait_pct"),
                   syncs=syncs, busy=busy, setup=setup(built, gpu))
+    if graph_ops is not None:
+        result["setup"].update(compiled_attention=graph_ops.summary(), compiled_ops=graph_ops.ops)
     trainer.close()
     return result
 
@@ -643,7 +662,8 @@ def report(r: dict[str, Any]) -> list[str]:
     s = r["setup"]
     lines = [f"{r['model']}: seq {r['seq_len']} x micro {r['micro_batch']}, {s['device']}, "
              f"{s['precision']}, ZeRO-{s['zero']}, {s['optimizer'].rsplit('.', 1)[-1]}"
-             f"{' (fused)' if s['fused'] else ''}, attention {s['attention']}"]
+             f"{' (fused)' if s['fused'] else ''}, attention {s['attention']}"
+             + (f" (compiled: {s['compiled_attention']})" if "compiled_attention" in s else "")]
     for name in ("app", "plain"):
         side = r[name]
         mfu = ("n/a (no peak for this device)" if side["mfu"] is None
@@ -652,8 +672,8 @@ def report(r: dict[str, Any]) -> list[str]:
                      f"{side['tokens_per_sec']:12,.0f} tokens/s  MFU {mfu}")
     for ok, name, detail in verdicts(r):
         lines.append(f"  {'PASS' if ok else 'FAIL'} {name:<10} {detail}")
-    for phase in ("step_sites", "log_sites"):
-        for site, n in r["syncs"][phase].items():
+    for phase in ("step_sites", "log_sites", "switch_sites"):
+        for site, n in r["syncs"].get(phase, {}).items():
             lines.append(f"    sync {phase[:-6]:<4} {n:3d} x {site}")
     for call, c in r["busy"]["app"]["sync_calls"].items():
         lines.append(f"    trace {call}: {c['count']} calls, {c['ms']:.2f} ms in "

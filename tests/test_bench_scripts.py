@@ -126,3 +126,15 @@ def test_bench_fds_counts_a_two_rank_jobs_descriptors_and_sockets(mlm_dataset, t
     rows = {r["ranks"]: r for r in json.loads(out.read_text())["rows"] if r["tree"] == "this"}
     for who in ("rank0", "others"):  # a real job's descriptors: some sockets, and a bound total
         assert 0 < rows[who]["tcp"]["2"] <= rows[who]["fds"]["2"] < 200, rows[who]
+
+
+@pytest.mark.slow
+def test_bench_compile_attn_names_the_attention_the_compiled_graph_holds(tmp_path):
+    out = tmp_path / "attn.json"
+    ok(bench("bench_compile_attn.py", "--cpu", "--dropout", "0", "0.1", "--mask", "none",
+             "--steps", "1", "--repeats", "1", "--out", out))
+    rows = {(r["dropout"], r["mode"]): r for r in json.loads(out.read_text())}
+    assert rows[0.0, "eager"]["ms"] > 0 and rows[0.0, "compiled"]["ms"] > 0
+    # CPU's fused attention has no dropout: with it the compiled graph multiplies the scores
+    assert rows[0.0, "compiled"]["attention"] == "flash_attention_for_cpu"
+    assert rows[0.1, "compiled"]["attention"] == "math"

@@ -111,6 +111,25 @@ def test_the_sync_counter_finds_the_call_sites_on_cpu():
     assert sum(log.values()) == 3 and all(k.startswith(f"read {here}:") for k in log)
 
 
+def test_a_sync_warning_raised_inside_the_mode_switch_is_the_switchs(monkeypatch):
+    """On a GPU each window counted one sync-debug warning raised inside torch's
+    set_sync_debug_mode itself (the H200 runs): counted under "switch", not as a step's."""
+    import warnings
+
+    import torch
+
+    message = "called a synchronizing CUDA operation"
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode",
+                        lambda mode: warnings.warn(message) if mode == "warn" else None)
+    with gpu_mfu.Syncs(gpu=True) as syncs:
+        warnings.warn(message)  # a step's
+        syncs.set_phase("log")
+        warnings.warn(message)
+    assert sum(syncs.sites["switch"].values()) == 1
+    assert sum(syncs.sites["step"].values()) == 1 == sum(syncs.sites["log"].values())
+    assert all(k.startswith("sync-debug tests/test_gpu_mfu.py:") for k in syncs.sites["step"])
+
+
 @pytest.mark.slow
 def test_gloo_bus_bandwidth_over_two_processes(tmp_path):
     b = gpu_mfu.bus_bandwidth(2, tmp_path, mb=1, backend="gloo")

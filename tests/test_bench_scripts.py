@@ -138,3 +138,10 @@ def test_bench_compile_attn_names_the_attention_the_compiled_graph_holds(tmp_pat
     # CPU's fused attention has no dropout: with it the compiled graph multiplies the scores
     assert rows[0.0, "compiled"]["attention"] == "flash_attention_for_cpu"
     assert rows[0.1, "compiled"]["attention"] == "math"
+
+
+@pytest.mark.slow
+def test_bench_relink_times_both_loops_on_a_real_engine():
+    out = ok(bench("bench_relink.py", "--model", "bert-tiny", "--calls", "2", "--rounds", "1"))
+    line = out.splitlines()[-1]
+    assert line.startswith("bert-tiny, ZeRO-2, ") and "DeepSpeed's relink" in line

@@ -21,8 +21,8 @@ from app.runtime.ops import load_op, optimizer_op
 from app.runtime.overlap import (ALL_REDUCE_ENV, GradReducer, PartitionReducer, flat_group,
                                  switched_off)
 from app.runtime.patches import (local_fp32_clipping, local_zero1_reduction, one_norm_collective,
-                                 partitioned_bf16_norm, share_fp32_partitions, skip_lone_allreduce,
-                                 sync_free_steps)
+                                 partitioned_bf16_norm, relink_only_moved, share_fp32_partitions,
+                                 skip_lone_allreduce, sync_free_steps)
 from app.runtime.zero2_overlap import overlap_zero2, uses_muon
 
 
@@ -48,6 +48,7 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     skip_lone_allreduce(engine)
     local_fp32_clipping(engine)
     one_norm_collective(engine.optimizer)
+    relink_only_moved(engine.optimizer)
     engine.app_sync_free = sync_free_steps(engine)
     engine.app_grad_reduction = overlap_reduction(engine)
     gathered = gather.install(engine)  # ZeRO-1's weight all-gather during the next forward

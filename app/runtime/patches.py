@@ -9,6 +9,7 @@ app's reducer (app.runtime.overlap) summed during backward.
 `stream_ordered_epilogue`: ZeRO-2's end of backward waits on a stream, not the host (CUDA).
 `local_fp32_clipping`: ZeRO-0 in fp32 clips without a collective per step.
 `one_norm_collective`: ZeRO-1/2's gradient norm in one all-reduce, not one per parameter group.
+`relink_only_moved`: ZeRO-1/2's step re-points only the weights that no longer view the flat buffer.
 None changes a trained value (each docstring says why); each returns what it did.
 """
 from __future__ import annotations
@@ -98,6 +99,42 @@ def share_fp32_partitions(engine) -> int:
             freed += master.untyped_storage().nbytes()
             master.data = part.data
     return freed
+
+
+def relink_only_moved(optimizer) -> bool:
+    """DeepSpeedZeroOptimizer (ZeRO-1 in fp32, ZeRO-2) ends every step by pointing each weight's
+    `.data` at its slice of the flat bit16 buffer again, twice over (a `narrow` and a `view`, then
+    the round-robin order's own assignment; DeepSpeed's comment: "we probably don't need this?
+    just to be safe"). The weights view those slices from the start, and the step's all-gather
+    writes into the buffer in place, so each of those 2 x N assignments re-creates the view the
+    weight already has. On one H200 that loop was a 5.5 ms host gap a step in the profiled
+    ZeRO-2 trace of bert-120m (182 weights: docs/benchmarks.md, "GPU: second runs on one H200").
+    Here a weight is re-pointed only where it does not view its slice already (same address,
+    shape and dtype, contiguous): after a checkpoint load or a buffer rebuilt, the same as
+    DeepSpeed's. Nothing trained changes. Returns whether it was installed."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) \
+            or not hasattr(optimizer, "round_robin_bit16_offsets"):
+        return False
+    optimizer._update_model_bit16_weights = types.MethodType(_relink_moved, optimizer)
+    return True
+
+
+def _relink_moved(self, group_index: int) -> None:
+    flat = self.bit16_groups_flat[group_index]
+    base, size = flat.data_ptr(), flat.element_size()
+    for p, meta, offset in zip(self.round_robin_bit16_groups[group_index],
+                               self.round_robin_bit16_meta[group_index],
+                               self.round_robin_bit16_offsets[group_index]):
+        if (p.data_ptr() != base + offset * size or p.shape != meta.shape
+                or p.dtype != flat.dtype or not p.is_contiguous()):
+            p.data = flat.narrow(0, offset, meta.numel()).view(meta.shape).data
+    ordered = self.round_robin_bit16_groups[group_index]
+    for index, param in enumerate(self.bit16_groups[group_index]):
+        source = ordered[self.round_robin_bit16_indices[group_index][index]]
+        if source is not param:
+            param.data = source.data
 
 
 def local_zero1_reduction(optimizer) -> None:

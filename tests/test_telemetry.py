@@ -103,7 +103,11 @@ def test_metrics_are_present_and_sane_and_name_the_slow_rank(run):
     for r in rows:
         assert r["perf/tokens_per_sec"] > 0 and 0 <= r["perf/data_wait_pct"] <= 100
         assert r["perf/slowest_rank"] == 1  # its loader waits 50 ms a micro batch
-        assert r["perf/data_wait_pct_max"] > r["perf/data_wait_pct_min"] + 5
+        # rank 1 sleeps 50 ms a step in its loader: tens of ms a step of data wait, however slow
+        # the box (as a share it shrinks with the step, and a start's first window also holds
+        # the start-up: 5.7 % against 2.2 % in one loaded CI run, 45-49 % against ~1 % after)
+        assert r["perf/data_wait_pct_max"] > r["perf/data_wait_pct_min"]
+        assert r["perf/data_wait_pct_max"] / 100 * r["perf/step_time_ms"] >= 20
         assert r["sys/max_mem_gb"] >= r["sys/mem_gb"] > 0
         # the step's parts are parts of it: an optimizer step runs, and takes less than a step
         assert 0 < r["perf/optimizer_ms"] < r["perf/step_time_ms"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -234,10 +235,16 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(tmp_
             "load_op('FusedAdamBuilder'); print('loaded')")
     check(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
                          capture_output=True, text=True, timeout=600))  # built and cached
+    # the locks go into a copy of the built ops: another test's start (a pytest-xdist worker's)
+    # would clear one left in the shared directory, and say so in its own stderr
+    own = tmp_path / "extensions"
+    shutil.copytree(os.environ["TORCH_EXTENSIONS_DIR"], own, symlinks=True)
+    env = clean_env(TORCH_EXTENSIONS_DIR=str(own))
     for name in ("deepspeed_shm_comm", "fused_adam"):
-        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        lock = own / name / "lock"
+        assert Path(_get_build_directory(name, verbose=False)).name == name  # torch's layout
         lock.touch()  # what a process killed inside torch's build leaves behind
-        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=120)
         check(proc)
         assert "loaded" in proc.stdout and not lock.exists()

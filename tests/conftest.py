@@ -3,7 +3,6 @@ through the real CLI, and datasets prepared with them. Small, so the session bui
 seconds; tests that change data make their own copies."""
 from __future__ import annotations
 
-import json
 import os
 
 # Before anything imports wandb, transformers or tokenizers.
@@ -29,30 +28,13 @@ STDLIB_MODULES = ("argparse", "dataclasses", "typing", "pathlib", "shutil", "tex
 PROGRESS_PREFIXES = ("reading corpus:", "prepare:", "verify:", "adopt:")
 
 
-# Seconds each file took in a whole serial run on a 2-core box (`pytest --durations=0`, summed per
-# file: refresh when files change much); a file not in it counts by its tests' marks. Only the
-# order the files run in follows from it (tests/run.sh's workers take the costliest first).
-DURATIONS = json.loads((Path(__file__).parent / "durations.json").read_text())
-COST = {"multirank": 30.0, "slow": 12.0, None: 0.3}
-
-
 def pytest_collection_modifyitems(items):
     """`multirank` implies `slow`: a test that starts ranks through the launcher, or reads a
     fixture that does, takes tens of seconds; `-m "not slow"` leaves it out without a second mark
-    on every such test.
-
-    The files then run costliest first, each file's tests in their own order: pytest-xdist's
-    workers (tests/run.sh: whole files each, `--no-loadscope-reorder`) take them in this order,
-    so the last files to start are short ones and no worker is left with a long tail."""
-    by_marks: dict[str, float] = {}
+    on every such test."""
     for item in items:
         if item.get_closest_marker("multirank") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
-        mark = next((m for m in ("multirank", "slow") if item.get_closest_marker(m)), None)
-        path = item.nodeid.split("::")[0]
-        by_marks[path] = by_marks.get(path, 0.0) + COST[mark]
-    items.sort(key=lambda item: -DURATIONS.get(item.nodeid.split("::")[0],
-                                               by_marks[item.nodeid.split("::")[0]]))
 
 
 @pytest.fixture

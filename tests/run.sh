@@ -32,10 +32,9 @@ python -m pip install -q -c constraints.txt -e ".[dev]"
 # Never talk to wandb's servers from the tests.
 export WANDB_MODE=offline
 # One pytest worker per core, up to 8 (pytest-xdist; TEST_WORKERS=N to choose, 0 for none), each
-# taking whole test files (their module fixtures train once), costliest first (tests/conftest.py):
-# most tests spend their time starting processes and waiting on them, so two workers on 2 cores
-# take about half the time of one.
+# taking whole test files (their module fixtures train once). Most tests spend their time starting
+# processes and waiting on them: two workers on 2 cores took 0.62 of one's time (README).
 workers="${TEST_WORKERS:-$(python -c 'import os; print(min(len(os.sched_getaffinity(0)), 8))')}"
 parallel=()
-[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
 exec python -m pytest "${parallel[@]}" "$@"

@@ -1,8 +1,9 @@
 """`python -m app export RUN_DIR --out DIR`: a run's weights, config and tokenizer in Hugging Face
 format (safetensors), loadable with `AutoModelForMaskedLM/CausalLM.from_pretrained(DIR)`.
 
-Weights come from the checkpoint as fp32 (app.checkpoint.store.consolidated_state_dict). The export
-is written to a temporary directory and renamed into place, so DIR is either complete or absent.
+Weights and config come from the run's files as fp32 (app.checkpoint.weights, which
+`--init-from RUN_DIR` reads too: this module is the command only). The export is written to a
+temporary directory and renamed into place, so DIR is either complete or absent.
 When the run left its reference logits for the same step (app.reference), the exported model is
 checked against them before it is put in place.
 """
@@ -17,8 +18,8 @@ import torch
 
 from app import reference, rundir
 from app.checkpoint import store as checkpoint
-from app.checkpoint import universal
-from app.model import build_model, config_from_dict
+from app.checkpoint.weights import config_from_run, run_weights
+from app.model import build_model
 from data_tools import output
 from data_tools.errors import UserError
 
@@ -49,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if not checkpoint.check_files(ckpt_dir / tag):  # verified against its manifest, or said
         print(checkpoint.unverified_note(ckpt_dir / tag), file=sys.stderr)
     print(step_note(run_dir, tag), file=sys.stderr)
-    model_cfg = rebuild_config(run_config, run_dir)
-    model = build_model(model_cfg)
+    model = build_model(config_from_run(run_dir, run_config))
     load_weights(model, run_weights(ckpt_dir, tag), where=ckpt_dir / tag)
     vocab = int(run_config["data"].get("vocab_size") or model.config.vocab_size)
     if model.config.vocab_size > vocab:  # the tokenizer's size: drop the tensor-core padding
@@ -74,27 +74,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
-    """The fp32 weights of one checkpoint tag, whatever ZeRO stage wrote it (the tag's own: a
-    run that switched stage keeps checkpoints of each, app/checkpoint/universal.py)."""
-    stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
-    return checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
-
-
-def latest_of(run_dir: Path) -> tuple[Path, str]:
-    """(checkpoint dir, latest tag) of a run directory; UserError when it has none."""
-    ckpt_dir = run_dir / rundir.CHECKPOINTS
-    tag = checkpoint.latest_tag(ckpt_dir)
-    if tag is None:
-        raise UserError(f"{ckpt_dir}: no checkpoint to take weights from")
-    return ckpt_dir, tag
-
-
-def run_model_config(run_dir: Path):
-    """The model config of a run directory (its config.json), as `app export` rebuilds it."""
-    return rebuild_config(rundir.read_run_config(run_dir), run_dir)
-
-
 def last_step(run_dir: Path) -> int | None:
     """The last step the run reached, by summary.json or metrics.jsonl (a run that crashed after
     a resume has logged past its old summary); None when it has neither."""
@@ -116,17 +95,6 @@ def step_note(run_dir: Path, tag: str) -> str:
         if not checkpoint.tags_after(run_dir / rundir.CHECKPOINTS, tag):
             line += " (no checkpoint holds them)"
     return line
-
-
-def rebuild_config(run_config: dict[str, Any], run_dir: Path):
-    try:
-        model_cfg = config_from_dict(run_config["model"]["config"])
-    except Exception as e:  # noqa: BLE001 - a config transformers cannot rebuild
-        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        raise UserError(f"{run_dir / rundir.RUN_CONFIG}: key 'model.config' is not a usable "
-                        f"model config ({first.strip()})") from None
-    model_cfg._attn_implementation = "sdpa"
-    return model_cfg
 
 
 def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], where: Path) -> None:

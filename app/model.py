@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from dataclasses import dataclass
 from dataclasses import field as default_of
 from typing import Any, Mapping
@@ -23,7 +22,6 @@ from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, Mas
 
 from app.data.masking import IGNORE_INDEX
 from app.losses import causal_lm_loss
-from app.rundir import is_run_dir
 from app.runtime.overlap import block_starts
 from app.runtime.zero3_init import partitioned
 from data_tools.errors import UserError
@@ -506,8 +504,7 @@ def varlen_kwargs(doc_lengths: torch.Tensor, seq_len: int) -> dict[str, Any]:
 
 def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = False,
                 seed: int | None = None, for_training: bool = False,
-                zero3_config: Mapping[str, Any] | None = None,
-                init_from: Path | None = None) -> torch.nn.Module:
+                zero3_config: Mapping[str, Any] | None = None) -> torch.nn.Module:
     """A freshly initialised model for the config's objective (same seed, same weights).
 
     `for_training`: the MLM head takes the loader's masked positions (SparseHeadBertForMaskedLM);
@@ -516,17 +513,14 @@ def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = Fals
     attention mask (a host sync each step; the loader hands over a mask whenever it pads).
     `zero3_config`: a ZeRO-3 DeepSpeed config; the model is then built partitioned
     (`deepspeed.zero.Init`, in a process group): no rank ever holds all of it, and its weights
-    are the same as an unpartitioned build's (app.runtime.zero3_init).
-    `init_from`: a Hugging Face model directory whose weights replace the fresh ones (a warm
-    start, checked by check_init_config; not with `zero3_config`).
+    are the same as an unpartitioned build's (app.runtime.zero3_init). A warm start
+    (`--init-from`) loads its weights into the built model: app.init_from.
     """
     if seed is not None:
         torch.manual_seed(seed)
     auto = AutoModelForMaskedLM if objective_of(config) == "mlm" else AutoModelForCausalLM
     with partitioned(zero3_config):
         model = _instantiate(config, auto, for_training)
-    if init_from is not None:
-        load_init_weights(model, init_from)
     if for_training:
         for part in model.modules():  # the base model (GPT2Model, ...) is the one that looks
             if isinstance(part, PreTrainedModel):
@@ -600,94 +594,26 @@ def layer_blocks(params: list[torch.nn.Parameter], blocks: int) -> list[list[tor
     return [params[a:b] for a, b in zip(starts, starts[1:] + [len(params)])]
 
 
+def group_names(model: torch.nn.Module, blocks: int = 1) -> list[list[str]]:
+    """The parameters' names in each of `optimizer_groups(model, ..., blocks)`, in order. An
+    optimizer's saved state holds parameters by their index in its groups; a checkpoint's train
+    state records these names beside it, so the state reads back by name without building the
+    model (app.checkpoint.universal)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]]
+            for group in optimizer_groups(model, 0.0, blocks)]
+
+
+def skeleton_group_names(model_config: Mapping[str, Any]) -> list[list[str]]:
+    """`group_names` of the training model of `model_config` (the dict a train state saves), in
+    two groups, from a skeleton on the meta device (no memory, no init): the names of a
+    checkpoint written before train states recorded them (universal.read's `names_for`)."""
+    with torch.device("meta"):
+        model = build_model(config_from_dict(model_config), for_training=True)
+    return group_names(model)
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Unique parameters (tied weights once)."""
     return sum(getattr(p, "ds_numel", p.numel())  # ZeRO-3: the whole, not this rank's shard
                for p in {id(p): p for p in model.parameters()}.values())
-
-
-# Config fields that fix the shapes of the weights: an --init-from source must agree on them
-_GEOMETRY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "intermediate_size", "max_position_embeddings", "type_vocab_size", "head_dim",
-             "layer_types", "global_attn_every_n_layers")
-
-
-def read_init_config(directory: Path) -> PretrainedConfig:
-    """The config of an --init-from directory (a Hugging Face model directory: an `app export`,
-    a downloaded model; or a run directory of `app train`); UserError when there is none."""
-    if is_run_dir(directory):
-        from app.export import run_model_config  # app.export imports this module
-        return run_model_config(directory)
-    if not (directory / "config.json").is_file():
-        raise UserError(f"--init-from {directory}: no config.json (expected a Hugging Face model "
-                        f"directory, e.g. one written by `app export`)")
-    try:
-        return AutoConfig.from_pretrained(directory)
-    except Exception as e:  # noqa: BLE001 - transformers' many ways to reject a config
-        raise UserError(f"--init-from {directory}: config.json is not a usable model config "
-                        f"({(str(e).strip().splitlines() or [type(e).__name__])[-1]})") from None
-
-
-def check_init_config(config: PretrainedConfig, source: PretrainedConfig, vocab_size: int,
-                      directory: Path, preset_name: str) -> None:
-    """UserError unless `source` has this run's architecture, geometry and vocabulary (the
-    dataset tokenizer's size; the run's tensor-core padding rows are not in an export)."""
-    where = f"--init-from {directory}"
-    if type(source) is not type(config):
-        raise UserError(f"{where}: a {source.model_type} model; --model {preset_name} is "
-                        f"{config.model_type} (choose a preset of the source's architecture)")
-    for name in _GEOMETRY:
-        want, got = getattr(config, name, None), getattr(source, name, None)
-        if want is not None and got is not None and want != got:
-            raise UserError(f"{where}: its {name} is {got!r}, --model {preset_name}'s {want!r} "
-                            f"(set it with --model-arg {name}=..., or choose another preset)")
-    if int(source.vocab_size) not in (vocab_size, int(config.vocab_size)):
-        raise UserError(f"{where}: a vocabulary of {source.vocab_size} tokens; the dataset's "
-                        f"tokenizer has {vocab_size} (the model must come with the dataset's "
-                        f"tokenizer)")
-
-
-def _init_weights(directory: Path, objective: str) -> dict[str, torch.Tensor]:
-    """The weights of an --init-from directory: a run directory's latest checkpoint (through
-    app.export), or a Hugging Face model directory loaded as the objective's model."""
-    if is_run_dir(directory):
-        from app.export import latest_of, run_weights  # app.export imports this module
-        return run_weights(*latest_of(directory))
-    auto = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
-    try:
-        return auto.from_pretrained(directory, dtype=torch.float32).state_dict()
-    except (OSError, ValueError, RuntimeError) as e:
-        raise UserError(f"--init-from {directory}: weights not loadable "
-                        f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]})") \
-            from None
-
-
-# The LM head's bias on vocabulary rows an --init-from source lacks: exp(-1e4) is 0 in every
-# precision, so the warm start's loss is the source's over its own vocabulary.
-PADDING_ROW_BIAS = -1e4
-
-
-def load_init_weights(model: torch.nn.Module, directory: Path) -> None:
-    """Copy the weights of the model in `directory` into `model` (fp32, in place; checked
-    compatible by check_init_config). The source's vocabulary may lack the run's tensor-core
-    padding rows (never a target): they get no probability (PADDING_ROW_BIAS)."""
-    source = _init_weights(directory, objective_of(model.config))
-    own = model.state_dict()
-    missing = [k for k in own if k not in source]
-    if missing:
-        raise UserError(f"--init-from {directory}: weights do not fit the model (missing "
-                        f"{missing[:3]})")
-    with torch.no_grad():
-        for name, tensor in own.items():
-            got = source[name]
-            rows = min(got.shape[0], tensor.shape[0]) if got.dim() else 0
-            if got.shape == tensor.shape:
-                tensor.copy_(got)
-            elif got.shape[1:] == tensor.shape[1:]:  # the vocabulary's padding rows
-                tensor[:rows].copy_(got[:rows])
-                # no probability on them, as in the source (which has no such rows): zero
-                # vectors, and a head's bias far below every real token's
-                tensor[rows:] = 0.0 if tensor.dim() > 1 else PADDING_ROW_BIAS
-            else:
-                raise UserError(f"--init-from {directory}: {name} is {tuple(got.shape)}, the "
-                                f"model's {tuple(tensor.shape)}")

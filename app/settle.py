@@ -18,8 +18,9 @@ from app.checkpoint.universal import (Layout, convertible_into, is_universal, la
                                      optimizer_switch, saved_layout)
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
-from app.model import (build_config, check_init_config, check_packed_attention, max_positions,
-                       parse_overrides, preset, read_init_config)
+from app.init_from import check_init_config, read_init_config
+from app.model import (build_config, check_packed_attention, max_positions, parse_overrides,
+                       preset)
 from app.runtime.device import Device, attention_implementation, choose_attention
 from app.runtime.dist import World
 from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, validate_ds_config,

@@ -6,6 +6,10 @@
 - data_tools/ never imports app/: the data pipeline's tools stand alone.
 - app/data/ imports nothing of app/ but itself and app.runtime.device (the core count): the
   data path runs without a process group, an engine or a checkpoint.
+- No import cycle among the modules of app/ and data_tools/: the layers of docs/design.md ("Where
+  things live") hold only while every import points down.
+- No module imports a command module (those app/__main__.py dispatches to), which only
+  app/__main__.py does: a library function kept in a command is what made the last cycle.
 
 Imports inside functions count: a lazy import is still an import.
 """
@@ -72,7 +76,89 @@ def data_rule(rel: str, name: str) -> bool:
     return _within(name, "app.data") or _within(name, "app.runtime.device")
 
 
-@pytest.mark.parametrize("rule", [deepspeed_rule, data_tools_rule, data_rule],
+def command_modules() -> set[str]:
+    """The modules app/__main__.py dispatches to (its COMMANDS table, read, not imported)."""
+    for node in ast.parse((REPO / "app" / "__main__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "COMMANDS"
+                                                for t in node.targets):
+            return {module for module, _ in ast.literal_eval(node.value).values()}
+    return set()
+
+
+def command_rule(rel: str, name: str) -> bool:
+    return rel == "app/__main__.py" or not any(_within(name, c) for c in command_modules())
+
+
+def module_name(path: Path) -> str:
+    """app/checkpoint/store.py -> app.checkpoint.store; a package's __init__ -> the package."""
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_graph(paths: list[Path]) -> dict[str, dict[str, str]]:
+    """module -> {module it imports: 'file:line' of the first such import}, among `paths`' own
+    modules (a name resolves to the longest module it starts with: `app.model.build_model` ->
+    app.model). A module's own packages are no edge: Python imports them before it anyway."""
+    names = {module_name(p): p for p in paths}
+    graph: dict[str, dict[str, str]] = {m: {} for m in names}
+    for module, path in names.items():
+        for line, name in imports(path):
+            while name and name not in names:
+                name = name.rpartition(".")[0]
+            if name and name != module and not module.startswith(name + "."):
+                graph[module].setdefault(name, f"{path.relative_to(REPO).as_posix()}:{line}")
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted: every
+    module in one imports every other, through the rest."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def cycle_report(paths: list[Path]) -> list[str]:
+    """One entry per cycle: its modules, then each import among them ('file:line: imports m')."""
+    graph = import_graph(paths)
+    return [" <-> ".join(c) + "".join(f"\n  {graph[a][b]}: imports {b}" for a in c
+                                      for b in sorted(graph[a]) if b in c)
+            for c in cycles(graph)]
+
+
+def test_no_import_cycle():
+    found = cycle_report(modules())
+    assert not found, ("import cycles (lazy imports included); cut one import of each, moving "
+                       "what it needs to a lower module:\n" + "\n".join(found))
+
+
+def test_the_command_modules_are_read_from_the_dispatcher():
+    """The rule below would pass on an empty list: it must hold the commands __main__ names."""
+    assert {"app.train", "app.export", "app.checkpoint.convert", "app.sweep.command"} <= \
+        command_modules()
+
+
+@pytest.mark.parametrize("rule", [deepspeed_rule, data_tools_rule, data_rule, command_rule],
                          ids=lambda r: r.__name__)
 def test_import_boundaries_hold(rule):
     bad = violations(rule, modules())
@@ -98,3 +184,21 @@ def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):
     assert violations(data_rule, [module]) == [
         "app/data/x.py:5: imports app.runtime", "app/data/x.py:5: imports app.runtime.engine"]
     assert len(modules()) == 1
+
+
+def test_the_cycle_check_sees_a_lazy_cycle_and_names_its_imports(tmp_path, monkeypatch):
+    """The cycle rule would pass on a graph that misses edges: a cycle closed by a function's
+    import is found, named by its imports, and an import of the module's own package is none."""
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    pkg = tmp_path / "app"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from app import b\n")
+    (pkg / "b.py").write_text("import app\ndef f():\n    from app.c import g\n")
+    (pkg / "c.py").write_text("from .a import x\n")
+    (pkg / "d.py").write_text("from app import a\n")
+    assert cycle_report(modules()) == [
+        "app.a <-> app.b <-> app.c\n  app/a.py:1: imports app.b\n  app/b.py:3: imports app.c"
+        "\n  app/c.py:1: imports app.a"]
+    (pkg / "c.py").write_text("import os\n")
+    assert cycle_report(modules()) == []

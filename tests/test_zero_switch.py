@@ -175,6 +175,33 @@ def test_a_checkpoint_in_two_groups_resumes_into_layer_blocks(refs, mlm_dataset,
     assert max_rel_diff(train_losses(ref), train_losses(out)) <= 1e-5
 
 
+def test_a_zero0_checkpoint_without_its_parameters_names_converts_by_the_model(refs, tmp_path):
+    """ZeRO-0 keeps Adam's state by each parameter's index in the optimizer's groups: the train
+    state names them at save time, so checkpoints are read without building a model. A tag
+    written before that (and before manifests) still converts: `app convert` names them from a
+    skeleton of the model, to the same tensors; without such a caller the read says so."""
+    from app.checkpoint import universal
+    from app.model import skeleton_group_names
+    from data_tools.errors import UserError
+
+    src = tag_dir(refs(0, 2))
+    state = json.loads((src / "train_state.json").read_text())
+    assert state["param_group_names"] == skeleton_group_names(state["model_config"])
+    old = tmp_path / "old" / src.name
+    shutil.copytree(src, old, ignore=shutil.ignore_patterns("manifest.json"))
+    for key in ("param_group_names", "manifest"):
+        del state[key]
+    (old / "train_state.json").write_text(json.dumps(state))
+    with pytest.raises(UserError, match="app convert"):
+        universal.read(old, state)
+    for tag, out in ((src, tmp_path / "from_names"), (old, tmp_path / "from_model")):
+        check(run_app("convert", tag, "--to-zero", "3", "--to-world", "1", "--out", out))
+    named, rebuilt = (torch.load(tmp_path / out / "state.pt", weights_only=True)
+                      for out in ("from_names", "from_model"))
+    assert {k: sorted(v) for k, v in named.items()} == {k: sorted(v) for k, v in rebuilt.items()}
+    assert all(torch.equal(named[k][n], rebuilt[k][n]) for k in named for n in named[k])
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--to-zero", "3", "--to-world", "0"], "--to-world 0"),
     (["--to-zero", "5", "--to-world", "1"], "--to-zero"),

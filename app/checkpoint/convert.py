@@ -67,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{out}: already converted (--overwrite converts again)", file=sys.stderr)
         return 0
     print(f"converting {source} ({saved}) for {target}", file=sys.stderr, flush=True)
-    universal.write(source, state, out, command=COMMAND, target=target)
+    from app.model import skeleton_group_names  # transformers: only once there is work to do
+
+    # the names of a ZeRO-0 checkpoint's parameters where its train state predates them
+    universal.write(source, state, out, command=COMMAND, target=target,
+                    names_for=skeleton_group_names)
     info = universal.read_info(out)
     print(f"wrote {out}: {len(info['parameters'])} parameters, step {info['step']}; resume "
           f"with `launch.sh ... --zero {args.to_zero} --resume {out}` on {args.to_world} "

@@ -31,7 +31,7 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,6 +46,12 @@ SUFFIX = ".universal"
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 STATE_FILE = "state.pt"
 SCHEDULER_FILE = "scheduler.pt"
+
+NamesFor = Callable[[dict[str, Any]], list[list[str]]]
+"""model config (a train state's "model_config") -> the parameters' names in each optimizer group,
+in order, as the run built them: how a caller above the model (app.build, app convert) names the
+parameters of a checkpoint written before its train state recorded them (`param_group_names`).
+This package reads checkpoints from their files; it never builds a model."""
 
 
 @dataclass(frozen=True)
@@ -153,12 +159,13 @@ class Whole:
     scheduler: dict[str, Any]
 
 
-def read(tag_dir: Path, state: dict[str, Any]) -> Whole:
-    """The whole state of one checkpoint tag of any ZeRO stage, world size and precision."""
+def read(tag_dir: Path, state: dict[str, Any], names_for: NamesFor | None = None) -> Whole:
+    """The whole state of one checkpoint tag of any ZeRO stage, world size and precision.
+    `names_for`: the parameter names of a ZeRO-0 checkpoint whose train state lacks them."""
     layout = saved_layout(state)
     try:
         if layout.zero_stage == 0:
-            return _read_zero0(tag_dir, state)
+            return _read_zero0(tag_dir, state, names_for)
         bf16_optimizer = _by_rank(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"))
         if bf16_optimizer:
             return _read_flat_partitions(tag_dir, bf16_optimizer)
@@ -207,9 +214,10 @@ def _split(flat: torch.Tensor, shapes: dict[str, torch.Size], into: dict[str, to
         raise ValueError(f"flat group of {flat.numel()} elements holds {offset}")
 
 
-def _read_zero0(tag_dir: Path, state: dict[str, Any]) -> Whole:
-    """ZeRO-0: the whole module, and the optimizer's state per parameter (fp32), or over flat
-    fp32 master groups (bf16/fp16: DeepSpeed's FP16_Optimizer; names in the train state)."""
+def _read_zero0(tag_dir: Path, state: dict[str, Any], names_for: NamesFor | None) -> Whole:
+    """ZeRO-0: the whole module, and the optimizer's state per parameter (fp32; by its index in
+    the optimizer's groups, named by the train state's `param_group_names`), or over flat fp32
+    master groups (bf16/fp16: DeepSpeed's FP16_Optimizer; names in the train state)."""
     saved = _load(sorted(tag_dir.glob("mp_rank_*_model_states.pt"))[0])
     opt = saved.get("optimizer") or {}
     tensors: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KINDS}
@@ -228,7 +236,7 @@ def _read_zero0(tag_dir: Path, state: dict[str, Any]) -> Whole:
             for kind in ("exp_avg", "exp_avg_sq"):
                 _split(moments[kind], shapes, tensors[kind])
         return Whole(tensors, _step_of(inner), saved["lr_scheduler"])
-    names = [n for group in param_names(state["model_config"]) for n in group]
+    names = [n for group in param_names(tag_dir, state, names_for) for n in group]
     index = [i for group in opt["param_groups"] for i in group["params"]]
     if len(index) != len(names):
         raise UserError(f"{tag_dir}: the optimizer holds {len(index)} parameters, the model "
@@ -281,24 +289,28 @@ def _read_zero3(tag_dir: Path, parts: list[Path]) -> Whole:
     return Whole(tensors, _step_of(inner), model["lr_scheduler"])
 
 
-def param_names(model_config: dict[str, Any]) -> list[list[str]]:
-    """The trained parameters' names in the optimizer's groups, in order (as app.build builds
-    them), from a skeleton of the model on the meta device (no memory, no init)."""
-    from app.model import build_model, config_from_dict, optimizer_groups
-
-    with torch.device("meta"):
-        model = build_model(config_from_dict(model_config), for_training=True)
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in optimizer_groups(model, 0.0)]
+def param_names(tag_dir: Path, state: dict[str, Any], names_for: NamesFor | None
+                ) -> list[list[str]]:
+    """The trained parameters' names in the optimizer's groups, in order: recorded in the train
+    state at save time (app.build), else, for a checkpoint written before that, from the
+    caller's `names_for` (a skeleton of the model: app.model.skeleton_group_names)."""
+    groups = state.get("param_group_names")
+    if groups:
+        return groups
+    if names_for is None:
+        raise UserError(f"{tag_dir}: a ZeRO-0 checkpoint written before checkpoints named their "
+                        f"optimizer's parameters: convert it first with `python -m app convert "
+                        f"{tag_dir} --to-zero N --to-world W`")
+    return names_for(state["model_config"])
 
 
 # -- the universal form on disk ----------------------------------------------------------------
 
 def write(source: Path, state: dict[str, Any], out: Path, *, command: str,
-          target: Layout | None = None) -> Path:
+          target: Layout | None = None, names_for: NamesFor | None = None) -> Path:
     """Convert the checkpoint tag `source` (train state `state`) into the universal form at
-    `out`, whole or not at all (a temporary sibling renamed into place)."""
-    whole = read(source, state)
+    `out`, whole or not at all (a temporary sibling renamed into place). `names_for`: `read`'s."""
+    whole = read(source, state, names_for)
     info = {"format": FORMAT, "source": str(source), "source_layout": asdict(saved_layout(state)),
             "target_layout": asdict(target) if target else None, "step": whole.step,
             "parameters": {n: list(t.shape) for n, t in whole.tensors["fp32"].items()}}
@@ -319,14 +331,17 @@ def write(source: Path, state: dict[str, Any], out: Path, *, command: str,
     return out
 
 
-def ensure(ckpt_dir: Path, tag: str, state: dict[str, Any], target: Layout) -> Path:
-    """The universal form of ckpt_dir/tag, next to it: written on first need, then reused."""
+def ensure(ckpt_dir: Path, tag: str, state: dict[str, Any], target: Layout,
+           names_for: NamesFor | None = None) -> Path:
+    """The universal form of ckpt_dir/tag, next to it: written on first need, then reused.
+    `names_for`: `read`'s."""
     out = path_for(ckpt_dir, tag)
     if is_universal(out):
         return out
     print(f"resume: converting {ckpt_dir / tag} ({saved_layout(state)}) to {out}, once",
           file=sys.stderr, flush=True)
-    return write(ckpt_dir / tag, state, out, command="train --resume", target=target)
+    return write(ckpt_dir / tag, state, out, command="train --resume", target=target,
+                 names_for=names_for)
 
 
 def read_info(tag_dir: Path) -> dict[str, Any]:

@@ -20,9 +20,10 @@ import re
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from app.runtime.device import peak_rss_bytes
 
@@ -266,3 +267,19 @@ def remove_shm_buffers(port: int, shm_dir: Path = Path("/dev/shm")) -> None:
     """
     for path in shm_dir.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
         path.unlink(missing_ok=True)
+
+
+@contextmanager
+def interrupt_on_term() -> Iterator[None]:
+    """SIGTERM and SIGHUP (e.g. `timeout`, a closed terminal) stop the command running probes
+    (`app tune`, `app bench`) as Ctrl-C does, so the running probe is stopped and its files
+    removed. Here, beside the probes, so that neither command imports the other."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

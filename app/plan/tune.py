@@ -23,16 +23,15 @@ import shutil
 import signal
 import sys
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from app import config as config_mod
 from app.config import TrainConfig
 from app.data.sources import read_sources
 from app.plan.memory import CPU, GPU, GiB, ZeroSetup, Workload
-from app.plan.probe import ProbeResult, remove_shm_buffers, run_probe
+from app.plan.probe import ProbeResult, interrupt_on_term, remove_shm_buffers, run_probe
 from app.runtime.device import accelerator_memory_bytes, usable_cores
 from app.runtime.dist import free_port
 from data_tools.errors import UserError
@@ -445,7 +444,7 @@ def settings_from_args(args: argparse.Namespace, cpu: bool, model: str) -> TuneS
 def candidates(args: argparse.Namespace, settings: TuneSettings, hidden: int) -> list[Candidate]:
     """The setups to try: each --zero stage's ds_configs file, or the --ds-config file."""
     from app.runtime.ds_config import load_ds_config, zero_config_path
-    from app.plan.planner import setup_from_ds
+    from app.plan.inputs import setup_from_ds
 
     if args.ds_config:
         path = Path(args.ds_config).resolve()
@@ -465,7 +464,7 @@ def planner_inputs(cfg: TrainConfig, ranks: int, cpu: bool):
     """(the model as the planner sees it, the workload of one rank) for the search's guess."""
     from app.telemetry.flops import head_fraction
     from app.model import parse_overrides
-    from app.plan.planner import describe_model, dropout_flags
+    from app.plan.inputs import describe_model, dropout_flags
     from data_tools.manifest import load_manifest
 
     manifest = load_manifest(cfg.data)
@@ -506,21 +505,6 @@ def write_outputs(res: TuneResult, settings: TuneSettings, base_values: dict[str
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return paths
-
-
-@contextmanager
-def interrupt_on_term() -> Iterator[None]:
-    """SIGTERM and SIGHUP (e.g. `timeout`, a closed terminal) stop tune as Ctrl-C does, so the
-    running probe is stopped and its files removed."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    old = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
 
 
 def check_out(out: Path, cfg: TrainConfig) -> None:

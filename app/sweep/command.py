@@ -41,7 +41,7 @@ import app
 from app.sweep import results as bench_results
 from app.sweep import configs as sweep
 from app.config import TrainConfig
-from app.plan.probe import kill_tagged, remove_shm_buffers, run_probe
+from app.plan.probe import interrupt_on_term, kill_tagged, remove_shm_buffers, run_probe
 from app.runtime.dist import free_port
 from app.sweep.configs import Config
 from data_tools import output
@@ -384,8 +384,6 @@ def _read(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.plan.tune import interrupt_on_term
-
     if not LAUNCH.is_file():
         raise UserError(f"{LAUNCH}: launch.sh is not next to the app package (install the project "
                         f"from its checkout: pip install -e .)")

@@ -1,0 +1,54 @@
+"""The weights and model config of a run directory, read from its files: what `app export` writes
+out and what `--init-from RUN_DIR` starts from (app/init_from.py), so the two read a run the same
+way. No process group, no engine: the weights are the fp32 ones of one checkpoint tag, whatever
+ZeRO stage wrote it (app.checkpoint.store.consolidated_state_dict).
+
+It lives here, below the commands, because a library module (the warm start) needs it too: kept
+in the export command, it had the model module importing a command, and so an import cycle
+(docs/design.md, "Where things live").
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from app import rundir
+from app.checkpoint import store as checkpoint
+from app.checkpoint import universal
+from app.model import config_from_dict
+from data_tools.errors import UserError
+
+
+def run_weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of one checkpoint tag, whatever ZeRO stage wrote it (the tag's own: a
+    run that switched stage keeps checkpoints of each, app/checkpoint/universal.py)."""
+    stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
+    return checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
+
+
+def latest_of(run_dir: Path) -> tuple[Path, str]:
+    """(checkpoint dir, latest tag) of a run directory; UserError when it has none."""
+    ckpt_dir = run_dir / rundir.CHECKPOINTS
+    tag = checkpoint.latest_tag(ckpt_dir)
+    if tag is None:
+        raise UserError(f"{ckpt_dir}: no checkpoint to take weights from")
+    return ckpt_dir, tag
+
+
+def config_from_run(run_dir: Path, run_config: dict[str, Any] | None = None) -> PretrainedConfig:
+    """The model config a run trained (its config.json's "model.config"), with SDPA attention:
+    an export is loaded anywhere, without the run's kernels. `run_config`: that config.json when
+    the caller has read it already."""
+    if run_config is None:
+        run_config = rundir.read_run_config(run_dir)
+    try:
+        model_cfg = config_from_dict(run_config["model"]["config"])
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot rebuild
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise UserError(f"{run_dir / rundir.RUN_CONFIG}: key 'model.config' is not a usable "
+                        f"model config ({first.strip()})") from None
+    model_cfg._attn_implementation = "sdpa"
+    return model_cfg

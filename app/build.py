@@ -30,10 +30,13 @@ from app.faults import preemption
 from app.faults.preemption import StopRequests
 from app.faults.recovery import Recovery
 from app.faults.watchdog import Watchdog
-from app.model import build_model, count_parameters, optimizer_groups
+from app.init_from import load_init_weights
+from app.model import (build_model, count_parameters, group_names, optimizer_groups,
+                       skeleton_group_names)
 from app.runtime.device import (ComputeClock, Device, cpu_share, cpu_share_warning, detect,
                                 enable_tf32, set_cpu_threads)
 from app.runtime.dist import World, adopt_launcher_env, barrier, init_distributed, world_from_env
+from app.runtime import registry
 from app.runtime.ds_config import zero_stage
 from app.runtime.engine import engine_facts, initialize, versions
 from app.settle import Plan, plan_run
@@ -71,6 +74,7 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     threads = set_cpu_threads()
     adopt_launcher_env()  # ranks from MPI/Slurm launchers, once, before anything reads them
     plan = plan_run(cfg, device, world_from_env())
+    patches = deepspeed_patches(cfg, plan.world)  # a patch that cannot apply: before any write
     warning = cpu_share_warning(device, cpu_share(), threads, loader_workers(cfg, plan.world))
     if warning and plan.world.local_rank == 0:  # each node's: nodes may be bound differently
         print(warning, file=sys.stderr)
@@ -79,7 +83,8 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         prepare_run_dir(cfg, plan.resume)
         if plan.switch.convert:  # once, next to the checkpoint (checkpoint.load reuses it)
-            universal.ensure(*plan.resume, checkpoint.read_state(*plan.resume), plan.switch.now)
+            universal.ensure(*plan.resume, checkpoint.read_state(*plan.resume), plan.switch.now,
+                             names_for=skeleton_group_names)
     data_dirs = (stage_data(cfg, plan.sources, plan.world) if cfg.stage_to
                  else list(plan.sources.paths))
     preemption.stop_before_loop("while preparing the run")  # each step above ended whole
@@ -88,7 +93,7 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     barrier()
     stops = StopRequests(world.world_size > 1)  # from here the ranks stop together
     state = TrainState()  # the one state: the engine's LR schedule reads its cool-down
-    engine, n_params = _engine(plan, state.cooldown)
+    engine, n_params = _engine(plan, state.cooldown, patches)
     torch.manual_seed(dropout_seed(cfg.seed, world.rank))
     state.facts = state_facts(plan, engine, world)
     if plan.resume is not None:
@@ -117,6 +122,8 @@ def state_facts(plan: Plan, engine, world: World) -> dict[str, Any]:
             "model_config": plan.model_config.to_dict(), "run_config": plan.cfg.to_dict(),
             "ds_config": plan.ds_config,
             "flat_master_groups": checkpoint.flat_master_groups(engine),
+            # the optimizer's groups by name, as `_engine` builds them (universal.read)
+            "param_group_names": group_names(engine.module, plan.switch.now.optimizer_blocks),
             **asdict(plan.switch.now), "history": list(plan.switch.history)}
 
 
@@ -155,19 +162,34 @@ def dropout_seed(seed: int, rank: int) -> int:
     return seed * 1_000_003 + rank + 1
 
 
-def _engine(plan: Plan, cooldown: anomaly.Cooldown):
-    """The model (same seed, same weights on every rank) inside the DeepSpeed engine; its LR
-    schedule is the plan's times the cool-down after a rollback (part of the train state)."""
+def deepspeed_patches(cfg: TrainConfig, world: World) -> frozenset[str]:
+    """The DeepSpeed patches this run may install (--deepspeed-patches), their targets checked
+    in the installed DeepSpeed (app.runtime.registry.select): a patch named that cannot apply is
+    a UserError here, before the run directory; under `all` one that cannot is left out with
+    one line (main rank)."""
+    patches, notes = registry.select(cfg.deepspeed_patches)
+    if world.is_main:
+        for note in notes:
+            print(note, file=sys.stderr)
+    return patches
+
+
+def _engine(plan: Plan, cooldown: anomaly.Cooldown, patches: frozenset[str] = registry.ALL):
+    """The model (same seed, same weights on every rank) inside the DeepSpeed engine with the
+    selected patches; its LR schedule is the plan's times the cool-down after a rollback (part
+    of the train state)."""
     cfg = plan.cfg
     # ZeRO-3: built partitioned (no rank holds the whole model), same weights as ZeRO 0-2
     zero3 = plan.ds_config if zero_stage(plan.ds_config) == 3 else None
     model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
-                        seed=cfg.seed, for_training=True, zero3_config=zero3,
-                        init_from=plan.init_from)
+                        seed=cfg.seed, for_training=True, zero3_config=zero3)
+    if plan.init_from is not None:  # a warm start: checked by settle (not at ZeRO-3)
+        load_init_weights(model, plan.init_from)
     n_params = count_parameters(model)
     # ZeRO-1/2: groups of layer blocks, each partitioned on its own (app.runtime.overlap)
     groups = optimizer_groups(model, cfg.weight_decay, plan.switch.now.optimizer_blocks)
-    engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown), groups)
+    engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown), groups,
+                        patches)
     if cfg.compile:
         engine.compile()
     return engine, n_params

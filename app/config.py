@@ -16,6 +16,7 @@ from app.data.loader import OBJECTIVES
 from app.data.packing import PACKINGS
 from app.data.sources import is_mixture_arg
 from app.faults.anomaly import POLICIES, Rules
+from app.runtime import registry
 from app.runtime.device import PRECISIONS
 from app.schedule import DECAY_SHAPES, DECAYS
 from data_tools.cli import config_file, config_flags, finite_float, flag
@@ -168,6 +169,10 @@ class TrainConfig:
     grad_comm_dtype: str | None = None
     """fp32|bf16: the dtype gradients are summed in across ranks (DeepSpeed's
     communication_data_type; default: the ds_config's, else fp32; docs/gpu.md says why)."""
+    deepspeed_patches: str = "all"
+    """Where the app replaces parts of DeepSpeed (app/runtime/registry.py, docs/design.md):
+    all, none (DeepSpeed's own path everywhere), NAME,... or all,-NAME,... A patch named that
+    cannot apply to the installed DeepSpeed stops the run; under all it is left out."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -221,6 +226,7 @@ class TrainConfig:
             raise UserError(f"--wandb {self.wandb!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.attn not in ATTENTION:
             raise UserError(f"--attn {self.attn!r}: expected one of {', '.join(ATTENTION)}")
+        registry.parse(self.deepspeed_patches)  # a bad name or form: one line
         if self.grad_comm_dtype not in (None, *GRAD_COMM_DTYPES):
             raise UserError(f"--grad-comm-dtype {self.grad_comm_dtype!r}: expected one of "
                             f"{', '.join(GRAD_COMM_DTYPES)}")
@@ -327,6 +333,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("decay_shape", choices=DECAY_SHAPES)
     add("init_from", type=Path, metavar="DIR")
     add("grad_comm_dtype", choices=GRAD_COMM_DTYPES)
+    add("deepspeed_patches", metavar="all|none|NAME,...")
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in
     # the environment says the same, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

@@ -42,7 +42,7 @@ from app.faults.watchdog import Watchdog
 from app.runtime.device import ComputeClock, memory_gb, synchronize, to_device
 from app.runtime.dist import World, all_reduce_sum, gather_rows
 from app.runtime.engine import (apply_lr_schedule, grad_norm_before_step, loss_scale,
-                                model_state_bytes, reported_grad_norm)
+                                model_state_bytes, optimizer_step, reported_grad_norm)
 from app.telemetry import figures as telemetry
 from app.telemetry.sinks import MetricsLogger
 from app.telemetry.timing import Window
@@ -172,24 +172,16 @@ class Trainer:
                 self._state_bytes = model_state_bytes(self.engine)  # while gradients exist
             beat("in the optimizer step")
             with self.window.optimizer():
-                self._optimizer_step()
+                skipped = optimizer_step(self.engine)  # the boundary's: was it applied?
             loss = loss.detach().float()  # no copy when it is fp32 already
             step_loss = loss if step_loss is None else step_loss + loss
         self._loss_sum += step_loss
         self._micro_steps += self.grad_accum
         mean = step_loss if self.grad_accum == 1 else step_loss / self.grad_accum
-        self.guards.recovery.observe(upcoming, batch_index, mean)
+        self.guards.recovery.observe(upcoming, batch_index, mean, skipped)
         s.advance(self.global_batch, self.seq_len, self.guards.recovery.skip)
         self.session_steps += 1
         beat("training")
-
-    def _optimizer_step(self) -> None:
-        skipped = self.engine.skipped_steps  # a host counter: reading it costs nothing
-        self.engine.step()
-        if self.engine.skipped_steps != skipped:
-            # fp16 overflow: DeepSpeed skipped the update and held the LR schedule back; the
-            # schedule follows the step counter (and the data), so it advances all the same
-            self.engine.lr_scheduler.step()
 
     # -- check points -------------------------------------------------------------------------
 
@@ -251,7 +243,7 @@ class Trainer:
                                  / max(sum(r[MICRO_STEPS] for r in rows), 1)),
                   "train/lr": self._lr, "train/grad_norm": norm,
                   "train/loss_scale": loss_scale(self.engine),
-                  "train/skipped_steps": self.engine.skipped_steps,
+                  "train/skipped_steps": self.engine.skipped_steps + s.skipped_updates,
                   **self.data_figures(s.consumed_samples),
                   **telemetry.interval([r[FIGURES:] for r in rows], s.step - self.window.first_step,
                                        self.shape)}

@@ -125,12 +125,14 @@ def remanifest(tag: Path) -> None:
     manifest.write(tag, manifest.own_entries(tag, 0))
 
 
-def deepspeed_script(script: Path, cwd: str, procs: int = 2,
-                     timeout: int = 300) -> subprocess.CompletedProcess:
-    """`script` on `procs` ranks started by the real deepspeed launcher; asserts it succeeded."""
+def deepspeed_script(script: Path, cwd: str, procs: int = 2, timeout: int = 300,
+                     args: list | None = None) -> subprocess.CompletedProcess:
+    """`script ARGS` on `procs` ranks started by the real deepspeed launcher; asserts it
+    succeeded."""
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     proc = subprocess.run([launcher, "--num_gpus", str(procs), "--no_local_rank", "--master_port",
-                           str(free_port()), str(script)], cwd=cwd, env=clean_env(),
+                           str(free_port()), str(script), *map(str, args or [])], cwd=cwd,
+                          env=clean_env(),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

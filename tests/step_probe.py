@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import importlib.abc
 import json
 import os
@@ -123,18 +122,13 @@ def sync_probe():
 
 
 def fused_adam_device():
-    """The detected device, with DeepSpeed's own (fused) Adam as on an accelerator: on CPU the
-    app picks torch's (Device.torch_adam), whose bias correction reads the step on the host."""
-    from app.runtime.device import Device, detect
+    """The detected device: its optimizer is torch's fused AdamW, as on CUDA (app.runtime.device;
+    the single-tensor AdamW CPU runs took before read the step on the host in its bias
+    correction, so probes took DeepSpeed's fused Adam instead, which cannot skip a non-finite
+    step on the device: app.runtime.step_guard)."""
+    from app.runtime.device import detect
 
-    @dataclasses.dataclass(frozen=True)
-    class FusedAdamDevice(Device):
-        @property
-        def torch_adam(self) -> bool:
-            return False
-
-    found = detect()
-    return FusedAdamDevice(**{f.name: getattr(found, f.name) for f in dataclasses.fields(found)})
+    return detect()
 
 
 def trainer_for(data: str, out: str, objective: str, zero: int, steps: int):

@@ -11,10 +11,8 @@ import pytest
 import torch
 
 from app.runtime.ds_config import fill_auto, load_ds_config, zero_config_path
-from app.runtime.patches import GROUP_NORMS_ENV
-from app.runtime.overlap import (ALL_REDUCE_ENV, MIN_BUCKET_ELEMENTS, OFF_ENV, TRACE_ENV,
-                                 FlatGroup, bucket_elements, buckets_in_backward_order,
-                                 partition_buckets)
+from app.runtime.overlap import (MIN_BUCKET_ELEMENTS, TRACE_ENV, FlatGroup, bucket_elements,
+                                 buckets_in_backward_order, partition_buckets)
 from data_tools.errors import UserError
 from tests.helpers import TINY, check, launch, metrics, train_losses, two_gloo_ranks
 
@@ -73,11 +71,17 @@ def test_a_flag_that_contradicts_the_file_is_one_line():
 
 
 def _run(dataset: Path, out: Path, stage: int, monkeypatch, *extra: str, overlap: bool = True,
-         all_reduce: bool = False, clip: bool = True, optimizer: dict | None = None):
-    """A 2-rank run through the real launcher; overlapped runs trace their reducer.
+         all_reduce: bool = False, clip: bool = True, optimizer: dict | None = None,
+         leave_out: tuple[str, ...] = ()):
+    """A 2-rank run through the real launcher; overlapped runs trace their reducer. `overlap`
+    False: DeepSpeed's own reduction (--deepspeed-patches without the reducers);
     `all_reduce`: ZeRO-1 through the all-reduce reducer, not the reduce-scatter one; `clip`
     False: ds_configs/zero{stage}.json with gradient clipping off; `optimizer`: its
-    "optimizer" section instead."""
+    "optimizer" section instead; `leave_out`: more patches left out."""
+    out_of = list(leave_out) + (["grad_overlap", "partition_reduce", "zero2_overlap"]
+                                if not overlap else []) + (["partition_reduce"] if all_reduce
+                                                           else [])
+    extra = (*extra, "--deepspeed-patches", ",".join(["all", *(f"-{n}" for n in out_of)]))
     stage_args = ["--zero", stage]
     if not clip or optimizer:
         ds = load_ds_config(zero_config_path(stage))
@@ -91,10 +95,6 @@ def _run(dataset: Path, out: Path, stage: int, monkeypatch, *extra: str, overlap
     with monkeypatch.context() as env:
         if overlap:
             env.setenv(TRACE_ENV, str(out.parent / f"{out.name}.trace"))
-        else:
-            env.setenv(OFF_ENV, "1")
-        if all_reduce:
-            env.setenv(ALL_REDUCE_ENV, "1")
         proc = check(launch("train", "--data", dataset, "--out", out, *COMMON, *stage_args,
                             *extra))
     return proc
@@ -172,9 +172,7 @@ def test_zero12_norm_in_one_collective_is_deepspeeds_per_group_norm(stage, mlm_d
     clipped steps' losses."""
     one, per_group = tmp_path / "one", tmp_path / "per-group"
     _run(mlm_dataset, one, stage, monkeypatch)
-    with monkeypatch.context() as env:
-        env.setenv(GROUP_NORMS_ENV, "1")
-        _run(mlm_dataset, per_group, stage, monkeypatch)
+    _run(mlm_dataset, per_group, stage, monkeypatch, leave_out=("one_norm_collective",))
     norms = [{m["step"]: m["train/grad_norm"] for m in metrics(run) if "train/grad_norm" in m}
              for run in (per_group, one)]
     assert sorted(norms[1]) == list(range(1, STEPS + 1))

@@ -100,13 +100,16 @@ def test_train_with_a_broken_flash_attn_exits_2_in_one_line(mlm_dataset, tmp_pat
     assert "Traceback" not in proc.stderr
 
 
-def test_cuda_takes_torchs_fused_adamw_unless_deepspeeds_is_prebuilt():
+def test_cpu_and_cuda_take_torchs_fused_adamw_even_where_deepspeeds_is_prebuilt():
+    """torch's fused AdamW skips a step with non-finite gradients on the device
+    (app.runtime.step_guard); DeepSpeed's fused Adam cannot, so it is not taken even where its
+    wheel carries it (a ds_config asking `"torch_adam": false` still gets it)."""
     import dataclasses
 
-    assert (CPU.torch_adam, CPU.torch_adam_fused) == (True, False)  # CPU: as before
+    assert (CPU.torch_adam, CPU.torch_adam_fused) == (True, True)
     assert (GPU.torch_adam, GPU.torch_adam_fused) == (True, True)
     built = dataclasses.replace(GPU, fused_adam_prebuilt=True)
-    assert (built.torch_adam, built.torch_adam_fused) == (False, False)
+    assert (built.torch_adam, built.torch_adam_fused) == (True, True)
     other = Device("xpu", "ccl", True, True, True)  # other accelerators bring their own ops
     assert (other.torch_adam, other.torch_adam_fused) == (False, False)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.runtime.overlap import OFF_ENV, TRACE_ENV
+from app.runtime.overlap import TRACE_ENV
 from app.runtime.zero2_overlap import PENDING_BUCKETS
 from tests.helpers import REPO, TINY, check, launch, train_losses
 
@@ -17,11 +17,11 @@ STEPS = 3
 
 def _run(dataset: Path, out: Path, monkeypatch, *extra: str, patched: bool = True):
     """A 2-rank ZeRO-2 run through the real launcher; the patched one traces its collectives."""
+    if not patched:  # DeepSpeed's own ZeRO-2 reduction
+        extra = (*extra, "--deepspeed-patches", "all,-zero2_overlap")
     with monkeypatch.context() as env:
         if patched:
             env.setenv(TRACE_ENV, str(out.parent / f"{out.name}.trace"))
-        else:
-            env.setenv(OFF_ENV, "1")
         return check(launch("train", "--data", dataset, "--out", out, *TINY, "--max-steps",
                             str(STEPS), "--log-every", "1", "--dropout", "0", "--eval-every", "0",
                             "--save-every", "0",

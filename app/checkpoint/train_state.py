@@ -17,7 +17,7 @@ from app.data.order import skip_ahead
 from data_tools.schema import NonNegativeInt, PositiveInt, Schema
 
 COUNTERS = ("step", "consumed_samples", "tokens_seen", "real_tokens_seen", "best_eval_loss",
-            "phase_step")
+            "phase_step", "skipped_updates")
 
 
 @dataclass
@@ -37,6 +37,9 @@ class TrainState:
     phase_step: int = 0
     """The step the run's sequence-length phase began after (0: the first phase): the global
     batches skipped before it index another stream (rundir.read_skipped)."""
+    skipped_updates: int = 0
+    """Steps whose update the app's step guard skipped on the device (non-finite gradients:
+    app.runtime.step_guard); DeepSpeed counts its own skips (`engine.skipped_steps`)."""
     cooldown: Cooldown = field(default_factory=Cooldown)
     """The LR cool-down after a rollback (app.faults.anomaly): part of the schedule, so it
     resumes."""
@@ -57,6 +60,7 @@ class TrainState:
         self.real_tokens_seen = int(state.get("real_tokens_seen", self.tokens_seen))
         self.best_eval_loss = state.get("best_eval_loss")
         self.phase_step = int(state.get("phase_step") or 0)
+        self.skipped_updates = int(state.get("skipped_updates") or 0)
         saved, now = state.get("run_config") or {}, self.facts.get("run_config") or {}
         if saved.get("seq_len") and now.get("seq_len") and saved["seq_len"] != now["seq_len"]:
             self.phase_step = self.step
@@ -109,6 +113,7 @@ class TrainStateFile(Schema):
     real_tokens_seen: NonNegativeInt | None = None
     best_eval_loss: float | None = None
     phase_step: NonNegativeInt = 0
+    skipped_updates: NonNegativeInt = 0
     world_size: PositiveInt
     global_batch: PositiveInt
     dataset_fingerprint: str

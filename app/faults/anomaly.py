@@ -2,7 +2,9 @@
 "Faults").
 
 Each optimizer step, a rank's step loss is copied into a buffer on its device (one copy kernel:
-nothing waits for the device per step). At the log interval and before every save (so a
+nothing waits for the device per step), and beside it the step's skip flag: 1 where the step's
+gradients were not finite and its update was not applied (app.runtime.step_guard, on the device;
+2 where DeepSpeed skipped it on the host outside fp16). At the log interval and before every save (so a
 checkpoint is only ever written after a clean check: every kept checkpoint predates any anomaly)
 the buffer comes to the host with the check point's other device values, in its one copy, and
 the rule runs there, step by step in order: a NaN or an infinity, or a spike (more than `z`
@@ -10,6 +12,11 @@ standard deviations and `rise` above the mean of the recent history) marks the s
 are gathered from every rank in the check point's one all-gather, and the earliest marked step
 decides. The policy then rolls back, skips or stops (app.faults.recovery). Judging at the check
 point reads the marks no later than judging each step on the device would.
+
+A skipped update (non-finite gradients with a finite loss) is no loss anomaly: the weights are
+those of the step before, so nothing is rolled back; the monitor lists it (`skipped_updates`)
+for the recovery to record its batch as skipped. Every rank has the same flags (they follow from
+the all-reduced gradient norm).
 """
 from __future__ import annotations
 
@@ -68,6 +75,7 @@ class LossMonitor:
     def __init__(self, rules: Rules, device: torch.device, capacity: int = 64):
         self.rules, self.device = rules, device
         self._losses = torch.empty(capacity, dtype=torch.float64, device=device)
+        self._flags = torch.zeros(capacity, dtype=torch.float64, device=device)
         self.reset()
 
     def reset(self) -> None:
@@ -75,29 +83,48 @@ class LossMonitor:
         self._slot = 0
         self.first_bad, self.bad_loss = -1, 0.0
         self._steps: list[int] = []  # the steps whose losses wait in the buffer, in order
+        self.skipped_updates: list[tuple[int, float, float]] = []  # (step, loss, flag), judged
 
-    def observe(self, step: int, loss: torch.Tensor) -> None:
-        """The loss of optimizer step `step`, kept for the next check point: one copy on the
-        device (cast to float64 on the way), no sync."""
+    def observe(self, step: int, loss: torch.Tensor,
+                skipped: torch.Tensor | float = 0.0) -> None:
+        """The loss of optimizer step `step`, and its skip flag (a device scalar, or a host
+        number), kept for the next check point: copies on the device, no sync."""
         n = len(self._steps)
         if n == self._losses.numel():  # more steps between check points than ever: twice the room
             self._losses = torch.cat([self._losses, torch.empty_like(self._losses)])
+            self._flags = torch.cat([self._flags, torch.zeros_like(self._flags)])
         self._losses[n].copy_(loss.detach())
+        if torch.is_tensor(skipped):
+            self._flags[n].copy_(skipped.detach())
+        else:
+            self._flags[n].fill_(float(skipped))
         self._steps.append(step)
 
     def pending(self) -> torch.Tensor:
-        """The losses observed since the last check point (float64, on the device): the caller
-        copies them to the host with its other figures (one sync for all) and gives them to
-        `judge`."""
-        return self._losses[:len(self._steps)]
+        """The losses observed since the last check point, then their skip flags (float64, on
+        the device): the caller copies them to the host with its other figures (one sync for
+        all) and gives them to `judge`."""
+        n = len(self._steps)
+        return torch.cat([self._losses[:n], self._flags[:n]])
 
-    def judge(self, losses: list[float]) -> tuple[float, float]:
+    def judge(self, values: list[float]) -> tuple[float, float]:
         """The rule over `pending()` read on the host, step by step; then (first anomalous step
-        or -1, its loss), the marks, which stay until `reset`."""
-        for step, loss in zip(self._steps, losses, strict=True):
+        or -1, its loss), the marks, which stay until `reset`. Steps whose update was skipped
+        with a finite loss go to `skipped_updates`."""
+        n = len(self._steps)
+        if len(values) != 2 * n:
+            raise ValueError(f"judge: {len(values)} values for {n} steps")
+        for step, loss, flag in zip(self._steps, values[:n], values[n:]):
+            if flag and math.isfinite(loss):
+                self.skipped_updates.append((step, loss, flag))
             self._judge_one(step, loss)
         self._steps = []
         return float(self.first_bad), self.bad_loss
+
+    def take_skipped(self) -> list[tuple[int, float, float]]:
+        """The skipped updates judged since the last call, in step order."""
+        taken, self.skipped_updates = self.skipped_updates, []
+        return taken
 
     def marks(self) -> torch.Tensor:
         """`judge` on the pending losses, read here (one copy), as a float64 tensor [first

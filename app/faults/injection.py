@@ -5,7 +5,9 @@ app.checkpoint.store), so the training loop's source holds no test lines.
 
     DSPRETRAIN_TEST_SLOW_LOADER=RANK:SECONDS   that rank waits SECONDS more for every micro batch
                                                (a starved loader: telemetry must name the rank)
-    DSPRETRAIN_TEST_POISON=G:spike|nan         global batch G's loss is a spike, or NaN
+    DSPRETRAIN_TEST_POISON=G:spike|nan|nangrad global batch G's loss is a spike, or NaN; or (nangrad)
+                                               one element of rank 0's gradient is NaN, the loss
+                                               finite (the step guard must skip the update)
     DSPRETRAIN_TEST_HANG=RANK:STEP             that rank hangs at that step (the watchdog)
     DSPRETRAIN_TEST_DIE_IN_SAVE=STEP           the process dies halfway through that step's save
     DSPRETRAIN_TEST_DAMAGE_SAVE=STEP           that step's first save is damaged once complete
@@ -47,7 +49,9 @@ def install(trainer, env: Mapping[str, str] = os.environ) -> None:
     """Apply DSPRETRAIN_TEST_POISON and DSPRETRAIN_TEST_HANG to a built app.trainer.Trainer:
     the engine's forward poisons the loss of the global batch being trained on, and the hung
     rank's `train_step` stops at its step."""
-    if env.get("DSPRETRAIN_TEST_POISON"):
+    if env.get("DSPRETRAIN_TEST_POISON", "").endswith(":nangrad"):
+        nan_gradient(trainer, env)
+    elif env.get("DSPRETRAIN_TEST_POISON"):
         forward, state = trainer.engine.forward, trainer.state
 
         def poisoned_forward(*args, **kwargs):
@@ -66,6 +70,26 @@ def install(trainer, env: Mapping[str, str] = os.environ) -> None:
             train_step()
 
         trainer.train_step = hanging_step
+
+
+def nan_gradient(trainer, env: Mapping[str, str] = os.environ) -> None:
+    """DSPRETRAIN_TEST_POISON=G:nangrad: while global batch G trains, rank 0's gradient of the
+    model's first weight gets a NaN in its first element as it arrives in backward (a tensor
+    hook, before the gradient is accumulated and reduced: as a backward overflow or a bad device
+    would put it there). The loss stays finite; the reduction spreads the NaN to every rank."""
+    if trainer.world.rank != 0:
+        return
+    weight = next(p for p in trainer.engine.module.parameters() if p.requires_grad)
+
+    def poison(grad):
+        batch = trainer.state.consumed_samples // trainer.global_batch
+        if _aimed_at(env, "DSPRETRAIN_TEST_POISON", batch) != "nangrad":
+            return None
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+    weight.register_hook(poison)
 
 
 def poisoned(loss, global_batch: int, env: Mapping[str, str] = os.environ):

@@ -20,6 +20,7 @@ from app.checkpoint.train_state import TrainState
 from app.data.order import skip_ahead
 from app.faults import anomaly
 from app.faults.preemption import EXIT_PREEMPTED
+from app.runtime.step_guard import DEVICE_SKIP
 from data_tools.errors import Stopped
 
 ACTIONS = {"rollback": "rolling back", "skip": "skipping its batch", "stop": "stopping"}
@@ -45,20 +46,50 @@ class Recovery:
         self._batch_of: dict[int, int] = {}  # step -> its global batch, since the last check
         self._rollbacks: list[int] = []
 
-    def observe(self, step: int, batch: int, loss: torch.Tensor) -> None:
+    def observe(self, step: int, batch: int, loss: torch.Tensor,
+                skipped: torch.Tensor | float = 0.0) -> None:
         """Optimizer step `step` trained on global batch `batch` with mean loss `loss` (a device
-        scalar: the monitor marks it on the device, nothing is read here)."""
+        scalar: the monitor marks it on the device, nothing is read here); `skipped`, its skip
+        flag (app.runtime.engine.optimizer_step)."""
         self._batch_of[step] = batch
-        self.monitor.observe(step, loss)
+        self.monitor.observe(step, loss, skipped)
 
     def check(self, rows: list[list[float]], rewind: Callable[[str], None]) -> bool:
-        """A check point: every rank's row, each starting with its anomaly marks. Acts on the
-        earliest marked step by the policy; True when the run rolled back."""
+        """A check point: every rank's row, each starting with its anomaly marks. Records the
+        steps whose update was skipped (before any anomaly: a rollback redoes what follows it),
+        then acts on the earliest marked step by the policy; True when the run rolled back."""
         found = anomaly.earliest([(r[0], r[1]) for r in rows])
+        for step, loss, flag in self.monitor.take_skipped():
+            if found is None or step < found.step:
+                self.skipped_update(step, loss, flag)
         if found is None:
             self._batch_of = {}
             return False
         return self.on_anomaly(found, rewind)
+
+    def skipped_update(self, step: int, loss: float, flag: float) -> None:
+        """A step whose gradients were not finite and whose update was not applied (the weights
+        are the step before's): its batch is recorded as skipped and the run goes on, or stops
+        under --on-anomaly stop, or when such steps and rollbacks come more than
+        --max-rollbacks times within 1,000 steps."""
+        rules, s = self.rules, self.state
+        found = anomaly.Anomaly(step=step, loss=loss, reason="non-finite gradient")
+        who = "the app's step guard" if flag == DEVICE_SKIP else "DeepSpeed"
+        action = "stopping" if rules.policy == "stop" else "its update was not applied"
+        self.logger.alert("anomaly", f"{found.describe()}: {action} ({who}; --on-anomaly "
+                                     f"{rules.policy})")
+        self.logger.log({"step": s.step, "consumed_samples": s.consumed_samples,
+                         "tokens_seen": s.tokens_seen, "event": "skipped its update",
+                         "event/reason": found.describe(), "event/step": step})
+        if flag == DEVICE_SKIP:
+            s.skipped_updates += 1
+        batch = self._batch_of.get(step)
+        if batch is not None and batch >= 0:
+            self._skip_batch(batch, found)
+        if rules.policy == "stop":
+            raise Stopped(f"{found.describe()} (--on-anomaly stop; its batch is recorded in "
+                          f"{self.run_dir / rundir.SKIPPED})", anomaly.EXIT_ANOMALY)
+        self._count_against_limit(s.step, found)
 
     def on_anomaly(self, found: anomaly.Anomaly, rewind: Callable[[str], None]) -> bool:
         rules, s = self.rules, self.state
@@ -96,13 +127,7 @@ class Recovery:
         checks; a damaged one passed over), without the skipped batches, with the LR cooled
         down for a while."""
         rules, s = self.rules, self.state
-        self._rollbacks = [x for x in self._rollbacks if x > s.step - rules.rollback_window]
-        self._rollbacks.append(s.step)
-        if len(self._rollbacks) > rules.max_rollbacks:
-            raise Stopped(f"{len(self._rollbacks)} rollbacks within {rules.rollback_window} steps "
-                          f"(steps {self._rollbacks}; the last: {found.describe()}); the evidence "
-                          f"is in {self.run_dir / rundir.METRICS} (events) and "
-                          f"{rundir.SKIPPED}", anomaly.EXIT_ANOMALY)
+        self._count_against_limit(s.step, found)
         tag = self.rollback_tag(found)
         rewind(tag)  # the train state is the checkpoint's now, its cool-down too
         s.consumed_samples = skip_ahead(s.consumed_samples, self.global_batch, self.skip)
@@ -111,6 +136,19 @@ class Recovery:
         self._batch_of = {}
         self.logger.note(f"rolled back to {self.ckpt_dir / tag} (step {s.step}); the LR is "
                          f"cooled down for {rules.cooldown_steps} steps")
+
+    def _count_against_limit(self, step: int, found: anomaly.Anomaly) -> None:
+        """One more rollback or skipped update at `step`; more than --max-rollbacks of them
+        within the rollback window stop the run (exit 3) with the evidence."""
+        rules = self.rules
+        self._rollbacks = [x for x in self._rollbacks if x > step - rules.rollback_window]
+        self._rollbacks.append(step)
+        if len(self._rollbacks) > rules.max_rollbacks:
+            raise Stopped(f"{len(self._rollbacks)} rollbacks or skipped updates within "
+                          f"{rules.rollback_window} steps (steps {self._rollbacks}; the last: "
+                          f"{found.describe()}); the evidence is in "
+                          f"{self.run_dir / rundir.METRICS} (events) and {rundir.SKIPPED}",
+                          anomaly.EXIT_ANOMALY)
 
     def rollback_tag(self, found: anomaly.Anomaly) -> str:
         """The newest good checkpoint at or before this step (app.checkpoint.store

@@ -50,7 +50,8 @@ class Device:
 
     @property
     def torch_adam(self) -> bool:
-        """Whether DeepSpeed's Adam should be torch's rather than its compiled op.
+        """Whether DeepSpeed's Adam should be torch's rather than its compiled op: on CPU and
+        CUDA, always.
 
         On CPU the compiled op keeps beta**step as a running product in C++ state, which a
         resumed process recomputes with pow: the same weights and moments then step to values a
@@ -58,18 +59,21 @@ class Device:
         resume stays bit-exact. On CUDA DeepSpeed's op is built with nvcc on first use unless
         its wheel has it: a run without a CUDA toolkit crashed there, and a JIT build on a
         shared home held every rank of a large job at start-up. torch's fused AdamW
-        (`torch_adam_fused`) is the same one-kernel update and needs no build; DeepSpeed's is
-        kept where it is prebuilt.
+        (`torch_adam_fused`) is the same one-kernel update, needs no build, and skips a step
+        with non-finite gradients on the device (app.runtime.step_guard), which DeepSpeed's
+        cannot: it is taken even where DeepSpeed's op is prebuilt (a ds_config with
+        `"torch_adam": false` still gets DeepSpeed's).
         """
         return self.is_cpu or self.torch_adam_fused
 
     @property
     def torch_adam_fused(self) -> bool:
         """torch's AdamW with fused=True (one kernel for all tensors, its step a device tensor:
-        no host sync): on CUDA when DeepSpeed's fused Adam is not prebuilt. Not on CPU, where
-        the single-tensor update keeps resume bit-exact with the runs and checkpoints made
-        before; not on other accelerators, which bring DeepSpeed ops of their own."""
-        return self.name == "cuda" and not self.fused_adam_prebuilt
+        no host sync; a found_inf flag skips the update on the device): on CPU and CUDA. Other
+        accelerators bring DeepSpeed ops of their own. (Before 2026-11-29 CPU runs took the
+        single-tensor AdamW: a checkpoint of theirs resumes with the fused update, whose
+        rounding differs in the last bits.)"""
+        return self.name in ("cpu", "cuda")
 
     def torch_device(self, local_rank: int = 0) -> torch.device:
         return torch.device(self.name if self.is_cpu

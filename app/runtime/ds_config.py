@@ -378,9 +378,11 @@ def validate_ds_config(ds: dict[str, Any], where: Path) -> list[str]:
     from pydantic import ValidationError
 
     probe = _ReadKeys(copy.deepcopy(ds))
-    # DeepSpeed checks the batch sizes against the current world, which is one rank here
+    # DeepSpeed checks the batch sizes against the current world: one rank before the process
+    # group exists (a run's plan), the group's once it does (a second run in one process)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     probe["train_batch_size"] = (probe["train_micro_batch_size_per_gpu"]
-                                 * probe["gradient_accumulation_steps"])
+                                 * probe["gradient_accumulation_steps"] * world)
     level = logger.level
     logger.setLevel(logging.WARNING)  # its config parsing logs at info on every rank
     try:

@@ -9,30 +9,37 @@ backward/step and never imports DeepSpeed.
 from __future__ import annotations
 
 import os
+import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from app.runtime import gather
+from app.runtime import gather, registry, step_guard
 from app.runtime.device import device_ordinal
 from app.runtime.ops import load_op, optimizer_op
-from app.runtime.overlap import (ALL_REDUCE_ENV, GradReducer, PartitionReducer, flat_group,
-                                 switched_off)
-from app.runtime.patches import (local_fp32_clipping, local_zero1_reduction, one_norm_collective,
-                                 partitioned_bf16_norm, relink_only_moved, share_fp32_partitions,
-                                 skip_lone_allreduce, sync_free_steps)
+from app.runtime.overlap import GradReducer, PartitionReducer, flat_group
+from app.runtime.patches import (bf16_unfused_step, local_fp32_clipping, local_zero1_reduction,
+                                 one_norm_collective, partitioned_bf16_norm, relink_only_moved,
+                                 share_fp32_partitions, skip_lone_allreduce,
+                                 stream_ordered_epilogue, sync_free_steps)
+from app.runtime.step_guard import HOST_SKIP
 from app.runtime.zero2_overlap import overlap_zero2, uses_muon
 
 
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
-               lr_lambda: Callable[[int], float], param_groups: list[dict[str, Any]]):
+               lr_lambda: Callable[[int], float], param_groups: list[dict[str, Any]],
+               patches: Iterable[str] = registry.ALL):
     """`deepspeed.initialize` with the optimizer from the config (over `param_groups`) and our
-    LR schedule on it."""
+    LR schedule on it, then the DeepSpeed patches in `patches` that apply (app.runtime.registry;
+    `engine.app_patches` lists those that did) and the non-finite step guard."""
     import deepspeed
 
-    def scheduler(optimizer):
+    guards = []
+
+    def scheduler(optimizer):  # DeepSpeed hands it the torch optimizer inside its wrapper
+        guards.append(step_guard.StepGuard(optimizer))
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
     op = optimizer_op(ds_config)
@@ -44,27 +51,81 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     args = types.SimpleNamespace(device_rank=device_ordinal(int(os.environ.get("LOCAL_RANK", 0))))
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=param_groups,
                                            config=ds_config, lr_scheduler=scheduler)
-    share_fp32_partitions(engine)
-    skip_lone_allreduce(engine)
-    local_fp32_clipping(engine)
-    one_norm_collective(engine.optimizer)
-    relink_only_moved(engine.optimizer)
-    engine.app_sync_free = sync_free_steps(engine)
-    engine.app_grad_reduction = overlap_reduction(engine)
-    gathered = gather.install(engine)  # ZeRO-1's weight all-gather during the next forward
-    if gathered:
-        engine.app_grad_reduction += f"; {gathered}"
+    registry.adopt_deepspeed_swaps(engine)  # ZeRO-3's F.linear: undone with the engine
+    install_patches(engine, frozenset(patches))
+    if guards:
+        guards[0].attach(engine)
     return engine
 
 
-def overlap_reduction(engine) -> str:
+class _Installing:
+    """The selection, what applied and the lines about what could not (an installer's `ready`
+    checks a patch's instance attributes once the patch otherwise applies)."""
+
+    def __init__(self, selection: frozenset[str]):
+        self.selection, self.applied, self.notes = selection, [], []
+
+    def on(self, name: str) -> bool:
+        return name in self.selection
+
+    def ready(self, name: str, obj: Any) -> bool:
+        return registry.applies(name, self.selection, obj, self.notes)
+
+    def did(self, name: str, result: Any) -> Any:
+        if result:
+            self.applied.append(name)
+        return result
+
+
+def install_patches(engine, selection: frozenset[str]) -> list[str]:
+    """Install the selected patches that apply to this engine, in the registry's order; sets
+    `engine.app_patches` (the names that applied), `engine.app_sync_free` and
+    `engine.app_grad_reduction` (config.json, the start-up lines). A patch whose instance
+    attributes are missing is left out with one line on stderr (DeepSpeed's own path)."""
+    at = _Installing(selection)
+    opt = engine.optimizer
+    at.did("share_fp32_partitions", at.on("share_fp32_partitions")
+           and share_fp32_partitions(engine, at.ready))
+    at.did("skip_lone_allreduce", at.on("skip_lone_allreduce")
+           and skip_lone_allreduce(engine, at.ready))
+    at.did("local_fp32_clipping", at.on("local_fp32_clipping")
+           and local_fp32_clipping(engine, at.ready))
+    at.did("one_norm_collective", at.on("one_norm_collective")
+           and one_norm_collective(opt, at.ready))
+    at.did("relink_only_moved", at.on("relink_only_moved") and relink_only_moved(opt, at.ready))
+    engine.app_sync_free = None
+    if at.on("bf16_unfused_step"):
+        engine.app_sync_free = at.did("bf16_unfused_step", bf16_unfused_step(engine, at.ready))
+    if at.on("sync_free_steps") and not engine.app_sync_free:
+        engine.app_sync_free = at.did("sync_free_steps", sync_free_steps(engine, at.ready))
+    at.did("stream_ordered_epilogue", at.on("stream_ordered_epilogue")
+           and stream_ordered_epilogue(opt, at.ready))
+    engine.app_grad_reduction = overlap_reduction(engine, at)
+    if at.on("param_gather"):  # ZeRO-1/2's weight all-gather during the next forward
+        gathered = at.did("param_gather", gather.install(engine, at.ready,
+                                                          pairwise=at.on("gloo_pairwise")))
+        if gathered:
+            engine.app_grad_reduction += f"; {gathered}"
+    exchanges = {"partition_reduce", "param_gather", "zero2_overlap"} & set(at.applied)
+    if at.on("gloo_pairwise") and exchanges and dist.get_backend() == "gloo":
+        at.applied.append("gloo_pairwise")  # their point-to-point exchanges ran on gloo
+    engine.app_patches = at.applied
+    for note in at.notes:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(note, file=sys.stderr)
+    return at.applied
+
+
+def overlap_reduction(engine, at: _Installing | None = None) -> str:
     """Reduce gradients during backward where DeepSpeed would reduce them after it (ZeRO-0;
     ZeRO-1 with gradients in `param.grad` or BF16_Optimizer's buffer, reduce-scattered): the
-    app's bucketed reducers (app.runtime.overlap) take the boundary's reduction over. Returns
-    how this run reduces its gradients, and why, for the start-up line and config.json."""
+    app's bucketed reducers (app.runtime.overlap) take the boundary's reduction over, where
+    their patches (grad_overlap, partition_reduce, zero2_overlap) are selected. Returns how this
+    run reduces its gradients, and why, for the start-up line and config.json."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    at = at or _Installing(registry.ALL)
     stage, opt = engine.zero_optimization_stage(), engine.optimizer
     dtype = str(engine.communication_data_type).removeprefix("torch.")
     if engine.dp_world_size == 1:
@@ -77,18 +138,25 @@ def overlap_reduction(engine) -> str:
              and not opt.partition_gradients and not opt.overlap_comm and not opt.cpu_offload
              and not getattr(opt, "use_grad_accum_attribute", True))
     bf16 = isinstance(opt, BF16_Optimizer) and opt.immediate_grad_update
-    scatter = (zero1 or bf16) and not switched_off() and _scatter_reduction(engine, zero1, bf16)
+    # a 16-bit wire is divided before the sum, as DeepSpeed does (the sum of N ranks' fp16
+    # gradients overflows N times sooner); fp32 sums first and DeepSpeed's step divides once
+    average = not zero1 or torch.finfo(engine.communication_data_type).bits < 32
+    scatter = ((zero1 or bf16) and at.on("partition_reduce")
+               and at.ready("partition_reduce", opt)
+               and _scatter_reduction(engine, zero1, bf16, average, at.on("gloo_pairwise")))
     if scatter:
+        at.did("partition_reduce", True)
         return scatter
     if ((stage == 0 and not hasattr(opt, "get_grads_for_reduction")) or zero1 or bf16) \
-            and not switched_off():
+            and at.on("grad_overlap") and (stage == 0 or at.ready("grad_overlap", opt)):
         reducer = GradReducer(engine.module.parameters(), group=engine.seq_data_parallel_group,
                               world_size=engine.dp_world_size,
                               comm_dtype=engine.communication_data_type,
                               is_boundary=engine.is_gradient_accumulation_boundary,
-                              average=not zero1, keep_missing=not (zero1 or bf16),
+                              average=average, keep_missing=not (zero1 or bf16),
                               grad_of=_fp32_grads(opt) if bf16 else None)
-        _take_over(engine, reducer, zero1)
+        _take_over(engine, reducer, zero1, average)
+        at.did("grad_overlap", True)
         if zero1:
             return f"{reducer.describe()}; ZeRO-1 then keeps its partition (its own " \
                    f"collective skipped); parameters all-gathered by the step"
@@ -100,7 +168,11 @@ def overlap_reduction(engine) -> str:
         return f"all-reduce in {dtype} after backward, then an all-gather of the parameters " \
                f"(not overlapped: BF16_Optimizer accumulates in fp32 after backward without " \
                f"bf16.immediate_grad_update)"
-    zero2 = overlap_zero2(engine) if stage == 2 else None  # devices without streams
+    zero2 = None
+    if stage == 2:  # devices without streams
+        zero2 = overlap_zero2(engine, enabled=at.on("zero2_overlap"), ready=at.ready,
+                              pairwise=at.on("gloo_pairwise"))
+        at.did("zero2_overlap", zero2 and getattr(opt, "app_zero2_overlap", None))
     if zero2:
         return zero2
     if stage == 2:
@@ -113,13 +185,14 @@ def overlap_reduction(engine) -> str:
     return f"DeepSpeed's ZeRO-{stage} reduce-scatter in {dtype} during backward"
 
 
-def _scatter_reduction(engine, zero1: bool, bf16: bool) -> str | None:
+def _scatter_reduction(engine, zero1: bool, bf16: bool, average: bool,
+                       pairwise: bool) -> str | None:
     """ZeRO-1 (fp32 DeepSpeedZeroOptimizer, or BF16_Optimizer): the reducer reduce-scatters
     each rank's partition during backward (app.runtime.overlap.PartitionReducer), half an
     all-reduce's bytes; None where DeepSpeed's flat groups are not equal partitions of the data
     parallel group (then the all-reduce reducer runs)."""
     opt, group = engine.optimizer, engine.seq_data_parallel_group
-    if switched_off(ALL_REDUCE_ENV) or uses_muon(opt):
+    if uses_muon(opt):
         return None  # Muon reads each matrix's whole gradient, reduced
     if bf16 and (engine.mpu is not None or opt.norm_type != 2):
         return None  # partitioned_bf16_norm: the 2-norm, over the data parallel ranks only
@@ -136,8 +209,9 @@ def _scatter_reduction(engine, zero1: bool, bf16: bool) -> str | None:
                                world_size=engine.dp_world_size,
                                comm_dtype=engine.communication_data_type,
                                is_boundary=engine.is_gradient_accumulation_boundary,
-                               average=not zero1, grad_of=_fp32_grads(opt) if bf16 else None)
-    _take_over(engine, reducer, zero1)
+                               average=average, grad_of=_fp32_grads(opt) if bf16 else None,
+                               pairwise=pairwise)
+    _take_over(engine, reducer, zero1, average)
     if zero1:
         return f"{reducer.describe()}; ZeRO-1 then copies its partition (its own collective " \
                f"skipped); parameters all-gathered by the step"
@@ -146,13 +220,14 @@ def _scatter_reduction(engine, zero1: bool, bf16: bool) -> str | None:
            f"summed over the partitions; parameters all-gathered by the step"
 
 
-def _take_over(engine, reducer, zero1: bool) -> None:
+def _take_over(engine, reducer, zero1: bool, predivided: bool) -> None:
     """`reducer` reduces the boundary's gradients in place of DeepSpeed (at ZeRO-1, DeepSpeed's
-    own reduction then only copies this rank's partition: patches.local_zero1_reduction)."""
+    own reduction then only copies this rank's partition, dividing it unless the reducer
+    divided before the sum: patches.local_zero1_reduction)."""
     engine.app_grad_reducer = reducer
     engine.allreduce_gradients = _reduce_at_boundary(engine, reducer, zero1)
     if zero1:
-        local_zero1_reduction(engine.optimizer)
+        local_zero1_reduction(engine.optimizer, predivided=predivided)
 
 
 def _fp32_grads(opt) -> Callable:
@@ -179,6 +254,25 @@ def _reduce_at_boundary(engine, reducer: GradReducer, then_deepspeed: bool) -> C
     return allreduce_gradients
 
 
+def optimizer_step(engine) -> torch.Tensor | float:
+    """`engine.step()` (the optimizer steps at the boundary micro step only), and this optimizer
+    step's skip flag for the anomaly monitor (app.faults.anomaly): the step guard's device
+    scalar (1.0 where the gradients were not finite and the update was not applied:
+    app.runtime.step_guard), HOST_SKIP where DeepSpeed skipped it on the host outside fp16, else
+    0.0. fp16's overflow skips are the loss scaler's routine, not marked. Where DeepSpeed
+    skipped, the LR schedule advances all the same: it follows the step counter and the data."""
+    guard = getattr(engine, "app_step_guard", None)
+    if guard is not None:
+        guard.begin()
+    skipped = engine.skipped_steps  # a host counter: reading it costs nothing
+    engine.step()
+    if engine.skipped_steps != skipped:
+        engine.lr_scheduler.step()
+        return 0.0 if engine.fp16_enabled() else HOST_SKIP
+    found = guard.skipped() if guard is not None else None
+    return 0.0 if found is None else found
+
+
 def apply_lr_schedule(engine) -> None:
     """Set every parameter group's LR from the schedule at its current step (after a rollback
     changed the schedule: the cool-down applies from the very next step)."""
@@ -192,11 +286,14 @@ def engine_facts(engine) -> dict[str, Any]:
     the dtypes of the weights and of gradient accumulation, and whether its step runs without
     host reads (patches.sync_free_steps; None: DeepSpeed's own step)."""
     model_dtype, grad_dtype = engine.get_data_types()
+    guard = getattr(engine, "app_step_guard", None)
     return {"optimizer": type(engine.optimizer).__name__, "model_dtype": str(model_dtype),
             "grad_accum_dtype": str(grad_dtype), "zero_stage": engine.zero_optimization_stage(),
             "communication_data_type": str(engine.communication_data_type),
             "grad_reduction": getattr(engine, "app_grad_reduction", None),
-            "sync_free_step": getattr(engine, "app_sync_free", None)}
+            "sync_free_step": getattr(engine, "app_sync_free", None),
+            "patches": list(getattr(engine, "app_patches", [])),
+            "nonfinite_skip": guard.describe() if guard is not None else None}
 
 
 def grad_norm_before_step(engine) -> torch.Tensor | None:

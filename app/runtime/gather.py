@@ -47,20 +47,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from app.runtime import registry
 from app.runtime.overlap import bucket_elements, partition_blocks
 
-# Test switches (tests/test_param_gather.py): a file each rank appends its gather's events to;
-# DeepSpeed's own blocking gather instead (the reference the overlapped one must equal)
+# Test instrumentation (tests/test_param_gather.py, bench/overlap_timeline.py): a file each rank
+# appends its gather's events to. (DeepSpeed's own gather instead: --deepspeed-patches
+# all,-param_gather.)
 TRACE_ENV = "DSPRETRAIN_TEST_GATHER_TRACE"
-OFF_ENV = "DSPRETRAIN_TEST_NO_PARAM_GATHER"
 _ACTIVE: dict[str, "ParamGather | None"] = {"gather": None}
 # gloo point-to-point tags of the gather (chunk x groups + group on top): apart from the
 # reducers' (a bucket's index), though never in flight together (flushed before backward)
 GATHER_TAG = 1 << 20
-
-
-def switched_off() -> bool:
-    return os.environ.get(OFF_ENV, "") not in ("", "0")
 
 
 def piece_elements(partition: int, chunks: int, alignment: int) -> int:
@@ -74,16 +71,18 @@ class ParamGather:
     """The chunked, asynchronous all-gather of one optimizer's flat weight buffers (module
     docstring). `flats`: the flat buffers; `partitions`: each one's per-rank views; `groups`:
     each one's data-parallel process group; `chunks`: how many (default: about one of the
-    gradient reducer's buckets each); `by_group`: chunk g is group g, whole (layer blocks)."""
+    gradient reducer's buckets each); `by_group`: chunk g is group g, whole (layer blocks);
+    `pairwise`: on gloo, point-to-point exchanges (registry patch gloo_pairwise), else the list
+    all-gather NCCL runs."""
 
     def __init__(self, module: torch.nn.Module, flats: list[torch.Tensor],
                  partitions: list[list[torch.Tensor]], groups: list, alignment: int,
-                 chunks: int | None = None, by_group: bool = False):
+                 chunks: int | None = None, by_group: bool = False, pairwise: bool = True):
         self.flats, self.partitions, self.groups = flats, partitions, groups
         self.rank = [dist.get_rank(group=g) for g in groups]
         # gloo: each rank sends its piece to every other rank (isend/irecv) rather than gloo's
         # all_gather, which took 1.45x as long (netsim `collectives`, module docstring)
-        self.pairwise = [dist.get_backend(g) == "gloo" for g in groups]
+        self.pairwise = [pairwise and dist.get_backend(g) == "gloo" for g in groups]
         self.peers = [[r if g is None else dist.get_global_rank(g, r)
                        for r in range(len(partitions[0]))] for g in groups]
         total = sum(f.numel() for f in flats)
@@ -229,16 +228,18 @@ class ParamGather:
 
 # -- installing it on an engine --------------------------------------------------------------------
 
-def install(engine) -> str | None:
+def install(engine, ready: Callable[[str, object], bool] = lambda name, obj: True,
+            pairwise: bool = True) -> str | None:
     """Overlap the step's weight all-gather with the next forward where DeepSpeed's ZeRO-1 or 2
     gathers them (DeepSpeedZeroOptimizer; bf16 ZeRO-1: BF16_Optimizer) over more than one rank,
-    without offload, MoE, pipeline or sequence parallelism. Returns what it did (for the
-    start-up `gradients:` line), None where DeepSpeed's own gather stays."""
+    without offload, MoE, pipeline or sequence parallelism (registry patch param_gather).
+    Returns what it did (for the start-up `gradients:` line), None where DeepSpeed's own gather
+    stays."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     opt = engine.optimizer
-    if (switched_off() or engine.dp_world_size == 1
+    if (engine.dp_world_size == 1
             or engine.zero_optimization_stage() not in (1, 2)
             or getattr(engine, "has_moe_layers", False) or engine.pipeline_parallelism
             or getattr(engine, "sequence_parallel_size", 1) > 1):
@@ -251,10 +252,12 @@ def install(engine) -> str | None:
         return None
     if any(len({p.numel() for p in part}) != 1 for part in partitions):
         return None  # unequal partitions: not one all-gather (DeepSpeed pads them equal)
+    if not ready("param_gather", opt):
+        return None
     by_group = partition_blocks(engine.zero_optimization_stage()) > 1  # the groups are blocks
     gather = ParamGather(engine.module, flats, partitions, list(opt.real_dp_process_group),
-                         opt.nccl_start_alignment_factor, by_group=by_group)
-    _install_dispatch()
+                         opt.nccl_start_alignment_factor, by_group=by_group, pairwise=pairwise)
+    _install_dispatch(engine)
     opt.step = _launching(opt.step, gather)
     if by_group and isinstance(opt, DeepSpeedZeroOptimizer):
         opt._optimizer_step = _launching_early(opt._optimizer_step, gather)
@@ -322,17 +325,16 @@ def _flush_at_exit(ref) -> None:
             pass  # a peer gone: the launcher ends the job anyway
 
 
-def _install_dispatch() -> None:
+def _install_dispatch(engine) -> None:
     """DeepSpeed's `all_gather_dp_groups`, as its optimizer modules call it, launches the
     chunked gather inside a step this module wrapped (for that optimizer's own buffers) and is
     DeepSpeed's blocking one everywhere else (a checkpoint load's `update_lp_params`, other
-    engines). Once per process."""
+    engines). Swapped while `engine` lives (app.runtime.registry.swap)."""
     from deepspeed.runtime import bf16_optimizer
     from deepspeed.runtime.zero import stage_1_and_2
 
     for module in (bf16_optimizer, stage_1_and_2):
-        if not getattr(module.all_gather_dp_groups, "app_param_gather", False):
-            module.all_gather_dp_groups = _dispatching(module.all_gather_dp_groups)
+        registry.swap(module, "all_gather_dp_groups", _dispatching, owner=engine)
 
 
 def _dispatching(original: Callable) -> Callable:
@@ -341,5 +343,4 @@ def _dispatching(original: Callable) -> Callable:
         if gather is not None and groups_flat is gather.flats:
             return gather.launch()
         return original(groups_flat, *args, **kwargs)
-    all_gather_dp_groups.app_param_gather = True
     return all_gather_dp_groups

@@ -35,14 +35,14 @@ import torch.distributed as dist
 MAX_BUCKET_ELEMENTS = 25 * 2**20 // 4
 MIN_BUCKET_ELEMENTS = 2**16
 TARGET_BUCKETS = 8
-# Test switches (tests/test_overlap.py): a file each rank appends its reducer's events to; and
-# DeepSpeed's own reduction instead of this one (the reference the overlapped path must equal)
+# Test instrumentation (tests/test_overlap.py, bench/overlap_timeline.py): a file each rank
+# appends its reducer's events to. (DeepSpeed's own reduction instead of the app's, or the
+# all-reduce reducer at ZeRO-1 instead of the reduce-scatter one: --deepspeed-patches
+# all,-grad_overlap,-partition_reduce or all,-partition_reduce; app.runtime.registry.)
 TRACE_ENV = "DSPRETRAIN_TEST_OVERLAP_TRACE"
-OFF_ENV = "DSPRETRAIN_TEST_NO_OVERLAP"
-# and the all-reduce reducer at ZeRO-1 instead of the reduce-scatter one (PartitionReducer)
-ALL_REDUCE_ENV = "DSPRETRAIN_TEST_ZERO1_ALL_REDUCE"
-# and ZeRO-1/2's optimizer groups in this many layer blocks (1: the two groups of checkpoints
-# written before the blocks)
+# Test switch: ZeRO-1/2's optimizer groups in this many layer blocks (1: the two groups of
+# checkpoints written before the blocks; tests/test_zero_switch.py makes such checkpoints). A
+# layout, not a patch: it changes what a checkpoint holds.
 BLOCKS_ENV = "DSPRETRAIN_TEST_PARTITION_BLOCKS"
 
 
@@ -78,10 +78,6 @@ def block_starts(sizes: list[int], blocks: int) -> list[int]:
             size = 0
         size += n
     return starts
-
-
-def switched_off(env: str = OFF_ENV) -> bool:
-    return os.environ.get(env, "") not in ("", "0")
 
 
 def bucket_elements(total: int) -> int:
@@ -331,14 +327,16 @@ class PartitionReducer:
     def __init__(self, groups: list[FlatGroup], order: list, *, group, world_size: int,
                  comm_dtype: torch.dtype, is_boundary: Callable[[], bool], average: bool,
                  grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
-                 bucket_size: int | None = None):
+                 bucket_size: int | None = None, pairwise: bool = True):
         self.group, self.world_size, self.comm_dtype = group, world_size, comm_dtype
         self.is_boundary, self.average = is_boundary, average
         self.grad_of = grad_of or (lambda p: p.grad)
         self.rank = dist.get_rank(group)
         self.peers = [r if group is None else dist.get_global_rank(group, r)
                       for r in range(world_size)]
-        self.pairwise = dist.get_backend(group) == "gloo"
+        # gloo: point-to-point exchanges (registry patch gloo_pairwise); else reduce_scatter_tensor,
+        # NCCL's (with pairwise=False on gloo: that branch's code, in the tests)
+        self.pairwise = pairwise and dist.get_backend(group) == "gloo"
         self.bucket_size = bucket_size or bucket_elements(sum(g.numel for g in groups))
         lengths, segments = partition_buckets(groups, world_size, self.bucket_size)
         new = {b: i for i, b in enumerate(launch_order(lengths, segments, order))}

@@ -1,4 +1,6 @@
-"""Fixes applied to a DeepSpeed engine after `deepspeed.initialize`, each measured.
+"""Fixes applied to a DeepSpeed engine after `deepspeed.initialize`, each measured; each is a
+patch of the registry (app.runtime.registry: its DeepSpeed targets, the version it was read
+against, its test, what would retire it), installed by app.runtime.engine.install_patches.
 
 `skip_lone_allreduce`: ZeRO-0 in a world of one skips a gradient "all-reduce" with itself.
 `share_fp32_partitions`: ZeRO-3 in fp32 keeps one copy of each partition, not two.
@@ -6,26 +8,33 @@
 app's reducer (app.runtime.overlap) summed during backward.
 `partitioned_bf16_norm`: BF16_Optimizer's gradient norm from reduce-scattered partitions.
 `sync_free_steps`: DeepSpeed's optimizer step without host reads of the device, outside fp16.
+`bf16_unfused_step`: ZeRO-0 bf16's FP16_UnfusedOptimizer step, the same, re-implemented.
 `stream_ordered_epilogue`: ZeRO-2's end of backward waits on a stream, not the host (CUDA).
 `local_fp32_clipping`: ZeRO-0 in fp32 clips without a collective per step.
 `one_norm_collective`: ZeRO-1/2's gradient norm in one all-reduce, not one per parameter group.
 `relink_only_moved`: ZeRO-1/2's step re-points only the weights that no longer view the flat buffer.
-None changes a trained value (each docstring says why); each returns what it did.
+None changes a trained value (each docstring says why); each returns what it did. Each takes
+`ready(name, obj)`: called once the patch otherwise applies, False where the installed DeepSpeed
+lacks an attribute the patch reads (the patch is then left out: DeepSpeed's own path).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import types
+from typing import Any, Callable
 
 import torch
 
-# Test switch (tests/test_overlap.py): DeepSpeed's own per-group norm collectives, the reference
-# `one_norm_collective` must equal
-GROUP_NORMS_ENV = "DSPRETRAIN_TEST_GROUP_NORMS"
+from app.runtime import registry
+
+Ready = Callable[[str, Any], bool]
 
 
-def skip_lone_allreduce(engine) -> bool:
+def _always(name: str, obj: Any) -> bool:
+    return True
+
+
+def skip_lone_allreduce(engine, ready: Ready = _always) -> bool:
     """ZeRO-0 (and BF16_Optimizer, ZeRO-1 in bf16) in a world of one: no gradient all-reduce.
     DeepSpeed still flattens every gradient into one buffer, multiplies it by 1/1, "all-reduces"
     it alone and copies it back: an identity that cost GPT-2 4 x 256 (5 M parameters, CPU) ~3%
@@ -36,13 +45,14 @@ def skip_lone_allreduce(engine) -> bool:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     stage0 = engine.zero_optimization_stage() == 0 or isinstance(engine.optimizer, BF16_Optimizer)
-    if not stage0 or engine.dp_world_size != 1 or getattr(engine, "has_moe_layers", False):
+    if not stage0 or engine.dp_world_size != 1 or getattr(engine, "has_moe_layers", False) \
+            or not ready("skip_lone_allreduce", engine):
         return False
     engine.enable_backward_allreduce = False
     return True
 
 
-def local_fp32_clipping(engine) -> bool:
+def local_fp32_clipping(engine, ready: Ready = _always) -> bool:
     """ZeRO-0 in fp32: DeepSpeed's gradient clipping without its all-reduce of the norm.
     DeepSpeed's `clip_grad_norm_` averages the norm over the data-parallel ranks every step (for
     MoE, whose expert gradients differ by rank): here every rank holds the same all-reduced
@@ -55,7 +65,8 @@ def local_fp32_clipping(engine) -> bool:
     scaler, or fp16/bf16/ZeRO, which DeepSpeed clips inside its optimizer wrappers)."""
     if (engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled()
             or getattr(engine, "has_moe_layers", False) or engine.mpu is not None
-            or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None):
+            or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
+            or not ready("local_fp32_clipping", engine)):
         return False
     params = [p for p in engine.module.parameters() if p.requires_grad]
 
@@ -72,7 +83,7 @@ def local_fp32_clipping(engine) -> bool:
     return True
 
 
-def share_fp32_partitions(engine) -> int:
+def share_fp32_partitions(engine, ready: Ready = _always) -> int:
     """ZeRO-3 with fp32 parameters: the optimizer's fp32 partitions become the parameters' own
     partitions instead of a copy of them (4 bytes a parameter less, over the ranks). Returns the
     bytes freed on this rank.
@@ -88,7 +99,8 @@ def share_fp32_partitions(engine) -> int:
     opt = engine.optimizer
     masters = getattr(opt, "fp32_partitioned_groups_flat", None)
     partitions = getattr(opt, "fp16_partitioned_groups_flat", None)
-    if not masters or not partitions or getattr(opt, "offload_optimizer", False):
+    if not masters or not partitions or getattr(opt, "offload_optimizer", False) \
+            or not ready("share_fp32_partitions", opt):
         return 0
     freed = 0
     for master, part in zip(masters, partitions):
@@ -101,7 +113,7 @@ def share_fp32_partitions(engine) -> int:
     return freed
 
 
-def relink_only_moved(optimizer) -> bool:
+def relink_only_moved(optimizer, ready: Ready = _always) -> bool:
     """DeepSpeedZeroOptimizer (ZeRO-1 in fp32, ZeRO-2) ends every step by pointing each weight's
     `.data` at its slice of the flat bit16 buffer again, twice over (a `narrow` and a `view`, then
     the round-robin order's own assignment; DeepSpeed's comment: "we probably don't need this?
@@ -115,7 +127,7 @@ def relink_only_moved(optimizer) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) \
-            or not hasattr(optimizer, "round_robin_bit16_offsets"):
+            or not ready("relink_only_moved", optimizer):
         return False
     optimizer._update_model_bit16_weights = types.MethodType(_relink_moved, optimizer)
     return True
@@ -137,26 +149,28 @@ def _relink_moved(self, group_index: int) -> None:
             param.data = source.data
 
 
-def local_zero1_reduction(optimizer) -> None:
+def local_zero1_reduction(optimizer, predivided: bool = False) -> None:
     """ZeRO-1 (DeepSpeedZeroOptimizer, gradients in `param.grad`): its reduction at the boundary
     keeps everything but the collective. The app's reducer has already summed every rank's
     gradient into `param.grad` during backward (its reduce-scatter, PartitionReducer: only the
     slices in this rank's partition, the only ones read here); DeepSpeed then divides by the
     world size, as before its all-reduce, and moves this rank's slice into its partition, now a
-    local copy.
+    local copy. `predivided`: the reducer divided each rank's gradient before the sum, as
+    DeepSpeed does (16-bit wires: the sum of N fp16 gradients overflows N times sooner), so
+    nothing is divided here.
 
     Every gradient collective of ZeRO-1 goes through `allreduce_bucket` (the bucketed
     reduce-scatter path, `reduce_scatter: true`) or `gradient_reduction_w_predivide` (`false`);
-    both are replaced on this instance by their bodies without the collective. Sum then divide
-    against divide then sum: the same bits when the world size is a power of two (an exact
-    division), else within an ulp.
+    both are replaced on this instance by their bodies without the collective. fp32: sum then
+    divide against DeepSpeed's divide then sum, the same bits when the world size is a power of
+    two (an exact division), else within an ulp; 16-bit: divide then sum, DeepSpeed's order.
     """
     def allreduce_bucket(self, bucket, communication_data_type, rank=None, log=None,
                          divide=True, process_group=None):
         tensor = self.flatten(bucket)
         reduced = tensor if communication_data_type == tensor.dtype \
             else tensor.to(communication_data_type)
-        if divide and self.gradient_average:
+        if divide and self.gradient_average and not predivided:
             reduced.div_(_dp_size(self, process_group))
         if reduced is not tensor:
             tensor.copy_(reduced)
@@ -167,7 +181,7 @@ def local_zero1_reduction(optimizer) -> None:
             return tensor
         reduced = tensor if communication_data_type == tensor.dtype \
             else tensor.to(communication_data_type)
-        if self.gradient_average:
+        if self.gradient_average and not predivided:
             reduced.div_(_dp_size(self, None))
         if reduced is not tensor:
             tensor.copy_(reduced)
@@ -207,7 +221,7 @@ def partitioned_bf16_norm(optimizer, group) -> None:
     optimizer.get_grads_for_norm = get_grads_for_norm
 
 
-def one_norm_collective(optimizer) -> bool:
+def one_norm_collective(optimizer, ready: Ready = _always) -> bool:
     """DeepSpeedZeroOptimizer (ZeRO-1/2) takes the gradient norm group by group
     (`scaled_global_norm` -> `get_grad_norm_direct`), each with its own blocking all-reduce of
     one scalar: the app's layer blocks make that 16 round trips a step, each waiting for the
@@ -224,12 +238,12 @@ def one_norm_collective(optimizer) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
-    if (os.environ.get(GROUP_NORMS_ENV, "") not in ("", "0")
-            or not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload
+    if (not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.cpu_offload
             or getattr(optimizer, "has_moe_layers", False)
             or pg_utils.is_parallel(optimizer.model_parallel_group)
             or any(optimizer._muon_update_lacks_loss_scale(i)
-                   for i in range(len(optimizer.bit16_groups)))):
+                   for i in range(len(optimizer.bit16_groups)))
+            or not ready("one_norm_collective", optimizer)):
         return False
     opt = optimizer
 
@@ -286,9 +300,10 @@ def _dp_size(optimizer, process_group) -> float:
 # gradients are not finite (`is_invalid_grad_norm`: `bool(...)`), to clip only when needed (`if
 # clip_coef < 1`), and, at ZeRO-0 in bf16, a `float()` of every group's norm and a `bool()` of
 # every gradient's inf/NaN check. Each read drains the device's queue. Outside fp16 (whose dynamic
-# loss scale must know on the host whether to skip) the app's LossMonitor (app.faults.anomaly)
-# already marks a non-finite step on the device and the anomaly policy rolls it back at the next
-# check point, so the wrappers' checks are switched off while an app-patched optimizer steps.
+# loss scale must know on the host whether to skip) the wrappers' checks are switched off while an
+# app-patched optimizer steps, and the app's step guard (app.runtime.step_guard) skips a step with
+# non-finite gradients on the device instead: the norm the wrapper computed is the guard's input,
+# and the torch optimizer inside the wrapper does not apply that step.
 _SYNC_FREE = {"depth": 0}
 
 
@@ -303,7 +318,7 @@ def _sync_free():
 
 def _unless_sync_free(checked):
     """`is_invalid_grad_norm` for DeepSpeed's modules: False inside an app-patched step (the
-    LossMonitor judges the step), DeepSpeed's own check elsewhere (fp16)."""
+    step guard skips it on the device), DeepSpeed's own check elsewhere (fp16)."""
     def is_invalid_grad_norm(norm):
         return False if _SYNC_FREE["depth"] else checked(norm)
     return is_invalid_grad_norm
@@ -313,13 +328,15 @@ def _clip_without_reading(clip):
     """`clip_tensors_by_global_norm` of BF16_Optimizer inside an app-patched step: the same
     coefficient `max_norm / (norm + eps)`, applied as min(coefficient, 1) on the device with one
     foreach multiply, where DeepSpeed reads `clip_coef < 1` on the host and then multiplies tensor
-    by tensor (x * 1.0 is x: the values are DeepSpeed's)."""
+    by tensor (x * 1.0 is x: the values are DeepSpeed's). A non-finite norm arrives masked to -1;
+    the coefficient is kept at 0 or more, so that mask never flips the gradients' signs (the step
+    guard skips that step anyway)."""
     def clip_tensors_by_global_norm(input_tensors, max_norm=1.0, global_norm=None, mpu=None,
                                     eps=1e-6):
         if not _SYNC_FREE["depth"] or global_norm is None or not torch.is_tensor(global_norm):
             return clip(input_tensors, max_norm=max_norm, global_norm=global_norm, mpu=mpu,
                         eps=eps)
-        coef = torch.clamp(max_norm / (global_norm + eps), max=1.0)
+        coef = torch.clamp(max_norm / (global_norm + eps), min=0.0, max=1.0)
         tensors = [t.detach() for t in input_tensors]
         if tensors:
             torch._foreach_mul_(tensors, coef)  # as DeepSpeed's mul_ by the fp32 coefficient
@@ -334,51 +351,52 @@ def _mask_in_place(input, device=None, val=-1.):
     input.masked_fill_(input.isnan().logical_or(input.isinf()), val)
 
 
-def _install_sync_free() -> None:
-    """Swap the module-level helpers DeepSpeed's optimizers call (once per process). Outside an
+def _install_sync_free(engine) -> None:
+    """Swap the module-level helpers DeepSpeed's optimizers call, for as long as `engine` lives
+    (app.runtime.registry.swap: undone with the last engine that needs them). Outside an
     app-patched step they behave as DeepSpeed's own."""
     from deepspeed.runtime import bf16_optimizer, utils
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
     for module in (bf16_optimizer, stage_1_and_2, stage3):
-        if not getattr(module.is_invalid_grad_norm, "app_sync_free", False):
-            module.is_invalid_grad_norm = _unless_sync_free(module.is_invalid_grad_norm)
-            module.is_invalid_grad_norm.app_sync_free = True
-    if not getattr(bf16_optimizer.clip_tensors_by_global_norm, "app_sync_free", False):
-        bf16_optimizer.clip_tensors_by_global_norm = _clip_without_reading(
-            bf16_optimizer.clip_tensors_by_global_norm)
-        bf16_optimizer.clip_tensors_by_global_norm.app_sync_free = True
+        registry.swap(module, "is_invalid_grad_norm", _unless_sync_free, owner=engine)
+    registry.swap(bf16_optimizer, "clip_tensors_by_global_norm", _clip_without_reading,
+                  owner=engine)
     for module in (utils, stage_1_and_2, stage3):
-        module.mask_nan_or_inf_with_val_inplace = _mask_in_place
+        registry.swap(module, "mask_nan_or_inf_with_val_inplace", lambda _: _mask_in_place,
+                      owner=engine)
 
 
-def sync_free_steps(engine) -> str | None:
+def _keeps_host_checks(engine) -> bool:
+    """fp16 (dynamic loss scaling skips steps on the host's word), model or expert parallelism
+    (their norms are summed through the host here and there)."""
+    return engine.fp16_enabled() or engine.mpu is not None \
+        or getattr(engine, "has_moe_layers", False)
+
+
+def sync_free_steps(engine, ready: Ready = _always) -> str | None:
     """Make the optimizer's step free of host reads (above); returns what was done, None where
-    DeepSpeed's checks stay: fp16 (dynamic loss scaling skips steps on the host's word), a
-    ds_config that asks for `bf16.check_grad_overflow` at ZeRO-2 (the one optimizer of
-    DeepSpeed's that reads it), model or expert parallelism (their norms are summed through the
-    host here and there), and optimizers not listed below."""
+    DeepSpeed's checks stay: fp16, model or expert parallelism, a ds_config that asks for
+    `bf16.check_grad_overflow` at ZeRO-2 (the one optimizer of DeepSpeed's that reads it),
+    ZeRO-1/2 without a gradient norm (`compute_grad_norm: false`), and optimizers not listed
+    below (ZeRO-0 bf16's FP16_UnfusedOptimizer: `bf16_unfused_step`)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     opt = engine.optimizer
-    if engine.fp16_enabled() or engine.mpu is not None or getattr(engine, "has_moe_layers",
-                                                                  False):
+    if _keeps_host_checks(engine):
         return None
-    if isinstance(opt, DeepSpeedZeroOptimizer) and opt.check_grad_overflow:
+    if isinstance(opt, DeepSpeedZeroOptimizer) and (getattr(opt, "check_grad_overflow", True)
+                                                    or not getattr(opt, "compute_grad_norm",
+                                                                   False)):
         return None  # fp32 leaves it off; bf16 at ZeRO-2: off unless the file turned it on
-    if isinstance(opt, FP16_UnfusedOptimizer) and not opt.fused_lamb_legacy:
-        opt.step = types.MethodType(_bf16_unfused_step, opt)
-        return "bf16 step without host reads (the app's LossMonitor judges non-finite steps)"
     if not isinstance(opt, (BF16_Optimizer, DeepSpeedZeroOptimizer,
-                            DeepSpeedZeroOptimizer_Stage3)):
+                            DeepSpeedZeroOptimizer_Stage3)) or not ready("sync_free_steps", opt):
         return None
-    _install_sync_free()
+    _install_sync_free(engine)
     if isinstance(opt, DeepSpeedZeroOptimizer):
         opt.check_grad_overflow = False  # ZeRO-2 bf16: has_overflow's .item()
-        stream_ordered_epilogue(opt)
     step = opt.step
 
     def sync_free_step(*args, **kwargs):
@@ -386,8 +404,22 @@ def sync_free_steps(engine) -> str | None:
             return step(*args, **kwargs)
 
     opt.step = sync_free_step
-    return f"{type(opt).__name__} step without host reads (the app's LossMonitor judges " \
-           f"non-finite steps)"
+    return f"{type(opt).__name__} step without host reads (non-finite steps skipped on the " \
+           f"device: app.runtime.step_guard)"
+
+
+def bf16_unfused_step(engine, ready: Ready = _always) -> str | None:
+    """ZeRO-0 in bf16 (FP16_UnfusedOptimizer): its step replaced by `_bf16_unfused_step`, the
+    same arithmetic without host reads; None elsewhere."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    opt = engine.optimizer
+    if _keeps_host_checks(engine) or not isinstance(opt, FP16_UnfusedOptimizer) \
+            or not ready("bf16_unfused_step", opt) or opt.fused_lamb_legacy:
+        return None
+    opt.step = types.MethodType(_bf16_unfused_step, opt)
+    return "bf16 step without host reads (non-finite steps skipped on the device: " \
+           "app.runtime.step_guard)"
 
 
 @torch.no_grad()
@@ -396,8 +428,8 @@ def _bf16_unfused_step(self, closure=None):
     arithmetic on the device: the group norms are DeepSpeed's (fp32 sum of squared gradient norms,
     square root in double), combined in double, and the clip multiplier is applied whether or not
     it clips (x * 1.0 is x), so the values are DeepSpeed's, without its per-gradient `bool()`
-    overflow check and `float()` of each norm. Its invalid-norm skip is the app's LossMonitor's
-    (see above)."""
+    overflow check and `float()` of each norm. A non-finite norm: the step guard skips the torch
+    optimizer's step on the device (app.runtime.step_guard), as DeepSpeed's check would."""
     total = None
     for lp_group, fp32_group in zip(self.fp16_groups, self.fp32_groups):
         grads = [p.grad for p in lp_group if p.grad is not None]
@@ -433,7 +465,7 @@ def _bf16_unfused_step(self, closure=None):
     return self.overflow
 
 
-def stream_ordered_epilogue(opt) -> bool:
+def stream_ordered_epilogue(opt, ready: Ready = _always) -> bool:
     """ZeRO-1/2 with `overlap_comm` on a device with streams (CUDA): the end of each backward
     waits for the reduction stream in the compute stream instead of the host waiting for the
     whole device.
@@ -450,11 +482,14 @@ def stream_ordered_epilogue(opt) -> bool:
     where the accelerator orders streams itself (the CPU: no sync is made there). Returns
     whether the epilogue was changed."""
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     accel = get_accelerator()
+    if (not isinstance(opt, DeepSpeedZeroOptimizer) or accel.resolves_data_dependency()
+            or not ready("stream_ordered_epilogue", opt)):
+        return False
     stream = getattr(opt, "reduction_stream", None)
-    if (not opt.overlap_comm or opt.cpu_offload or stream is None
-            or accel.resolves_data_dependency()):
+    if not opt.overlap_comm or opt.cpu_offload or stream is None:
         return False
     epilogue = opt.independent_gradient_partition_epilogue
 

@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from app.runtime.overlap import TRACE_ENV, bucket_elements, switched_off
+from app.runtime.overlap import TRACE_ENV, bucket_elements
 
 # Buckets whose collectives may be in flight at once, each holding an ipg buffer of its own.
 # Backward waits only beyond this. Memory: at most PENDING_BUCKETS + 2 buffers of
@@ -55,22 +55,26 @@ from app.runtime.overlap import TRACE_ENV, bucket_elements, switched_off
 PENDING_BUCKETS = int(os.environ.get("DSPRETRAIN_ZERO2_PENDING", "4"))  # 2: DeepSpeed's depth
 
 
-def overlap_zero2(engine) -> str | None:
-    """Patch ZeRO-2's optimizer where it applies; the start-up `gradients:` text (what runs,
-    and why), or None where the accelerator has real streams (DeepSpeed's own overlap)."""
+def overlap_zero2(engine, enabled: bool = True, ready=lambda name, obj: True,
+                  pairwise: bool = True) -> str | None:
+    """Patch ZeRO-2's optimizer where it applies (registry patch zero2_overlap, `enabled`); the
+    start-up `gradients:` text (what runs, and why), or None where the accelerator has real
+    streams (DeepSpeed's own overlap). `pairwise`: on gloo, the owners' slices sent point to
+    point (gloo_pairwise), else DeepSpeed's collectives, launched asynchronously."""
     from deepspeed.accelerator import get_accelerator
 
     if not get_accelerator().resolves_data_dependency():
         return None
     opt = engine.optimizer
     dtype = str(engine.communication_data_type).removeprefix("torch.")
-    why_not = _not_covered(opt)
-    if why_not or switched_off():
-        why = why_not or "switched off for a test"
+    why_not = _not_covered(opt) or (None if enabled else "--deepspeed-patches leaves it out")
+    if not why_not and not ready("zero2_overlap", opt):
+        why_not = "this DeepSpeed lacks what it reads"
+    if why_not:
         return f"ZeRO-2's reduce buckets in {dtype}, each blocking backward in its hook " \
-               f"(DeepSpeed's path, not overlapped: {why})"
+               f"(DeepSpeed's path, not overlapped: {why_not})"
     shrunk = _bucket_for_overlap(opt)
-    patch = Zero2Overlap(opt)
+    patch = Zero2Overlap(opt, pairwise=pairwise)
     note = f"; reduce_bucket_size {shrunk:,} (the configured one held the whole model)" \
         if shrunk else ""
     return f"ZeRO-2's reduce buckets of <= {opt.reduce_bucket_size:,} elements in {dtype}, " \
@@ -133,7 +137,7 @@ class Zero2Overlap:
     """The patch on one DeepSpeedZeroOptimizer (module docstring). `pending` holds the launched
     buckets not yet completed, oldest first; `spares`, ipg buffers free for a refill."""
 
-    def __init__(self, opt):
+    def __init__(self, opt, pairwise: bool = True):
         self.opt = opt
         self.pending: deque[_Launched] = deque()
         self.deferring: _Launched | None = None
@@ -145,7 +149,7 @@ class Zero2Overlap:
         self.deepest = 0  # the most buckets in flight at once this backward (trace only)
         import torch.distributed as tdist
 
-        self.pairwise = tdist.get_backend(opt.dp_process_group) == "gloo"
+        self.pairwise = pairwise and tdist.get_backend(opt.dp_process_group) == "gloo"
         self.originals = {name: getattr(opt, name) for name in (
             "allreduce_and_copy", "allreduce_and_copy_with_multiple_ranks",
             "reduce_independent_p_g_buckets_and_remove_grads")}

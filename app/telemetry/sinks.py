@@ -150,6 +150,8 @@ class MetricsLogger:
                  for k, v in record.items() if v is not None}
         self._file.write(to_json(clean, indent=None) + "\n")
         parts = [fmt.format(clean[k]) for k, fmt in CONSOLE_KEYS if clean.get(k) is not None]
+        if clean.get("event"):
+            parts.append(f"{clean['event']}: {clean.get('event/reason', '')}")
         self.note(f"step {clean['step']:>6} | " + " | ".join(parts))
         if self._bar is not None and "train/loss" in clean:
             self._bar.set_postfix_str(f"loss {clean['train/loss']:.4f}, "

@@ -8,7 +8,7 @@ quarter of an H100 step in memory traffic. Here the LM head's matrix product and
 cross-entropy run `rows` tokens at a time: each chunk's logits in the model's dtype, their
 log-sum-exp and gradient in fp32, then the chunk is freed (LinearCrossEntropy). Same value and
 gradients as the stock loss (the shift by one, IGNORE_INDEX, the mean over the predicted tokens)
-and the same matrix products.
+and the same matrix products, in autocast's dtype under autocast (`autocast_dtype`).
 """
 from __future__ import annotations
 
@@ -94,11 +94,34 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
     grad = grad.masked_fill_(~keep.unsqueeze(1), 0.0).to(hidden.dtype)
     if grad_hidden is not None:
         grad_hidden.copy_(grad @ weight)
-    if grad_weight is not None and grad.dtype == torch.float32:
-        grad_weight.addmm_(grad.t(), hidden)
-    elif grad_weight is not None:
-        grad_weight.add_(grad.t() @ hidden)
+    if grad_weight is not None:
+        low = autocast_dtype(hidden.device.type)
+        if low is not None:  # the head's product in autocast's dtype, as the stock loss's
+            grad_weight.add_(grad.t().to(low) @ hidden.to(low))
+        elif grad.dtype == torch.float32:
+            grad_weight.addmm_(grad.t(), hidden)
+        else:
+            grad_weight.add_(grad.t() @ hidden)
     return total
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs matrix products in on `device_type`, None outside autocast.
+
+    The weight gradient accumulates with the in-place `addmm_`, which autocast does not cast
+    (it casts out-of-place ops only): under `torch.autocast(bf16)` over fp32 weights (the plain
+    loop of bench/gpu_mfu.py) it ran as an fp32 GEMM where the stock loss's head runs in bf16,
+    ~2.5 TFLOP a gpt-125m step on a GPU's CUDA cores (review gpu-path-2 M-5, an estimate). So
+    under autocast the chunk's product is taken in autocast's dtype and added to the fp32 sum, as
+    the bf16-weight branch does. `torch.addmm(..., out_dtype=torch.float32)` would skip the bf16
+    rounding of each chunk's product, but torch 2.13 has no CPU kernel for it
+    (`aten::addmm.dtype_out`: NotImplementedError on CPU), and it would make the plain loop's
+    head cheaper than the app's bf16 branch, which rounds each product too. Outside autocast
+    nothing changes: the other two branches, bit for bit."""
+    if not (torch.amp.is_autocast_available(device_type)  # "meta" has no autocast: it raises
+            and torch.is_autocast_enabled(device_type)):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

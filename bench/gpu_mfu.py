@@ -8,16 +8,20 @@ bert-tiny and gpt-tiny at seq 128), in one process so outside load hits both sid
   default ZeRO stage, precision and optimizer for the device, its loader, guards and telemetry,
   and its log step every --block steps as `fit` runs it);
 - the plain side is the same model (the app's settled config, same seed) on the same loader's
-  batches: on a GPU bf16 autocast over fp32 weights, torch's fused AdamW, a foreach clip, the loss
-  kept on the device and read at the log step only; on CPU fp32 and torch's AdamW;
+  batches: on a GPU bf16 autocast over fp32 weights (GPT's chunked loss too: its weight
+  gradient's in-place product follows autocast, app/losses.py `autocast_dtype`), torch's fused
+  AdamW, a foreach clip, the loss kept on the device and read at the log step only; on CPU fp32
+  and torch's AdamW;
 - they take turns in blocks (bench/bench_step.py's `alternate`), each block between two device
   syncs; the medians of the blocks' ms/step are compared.
 
 It reports tokens/s and MFU (app/telemetry/flops.py over the peak of app/telemetry/hardware.py),
 the app / plain ratio, device busy % from a torch.profiler trace (the union of kernel intervals
 over the wall time of a few steps; on CPU the main thread's ops), every host-sync call site of the
-app's steps (split into ordinary and log steps), and the app's data wait. Verdicts: app <= 1.03 x
-plain, busy >= 95 %, data wait <= 1 %, no host sync in an ordinary step. On a GPU a FAIL makes the
+app's steps (split into ordinary and log steps), and the app's data wait over the timed blocks
+beside the app's own log of the same steps. Verdicts: the ratio and busy % against the figures
+recorded for this device, model and setup (`BASELINES`, within `SLACK`; where none is recorded,
+SKIP: not judged), data wait <= 1 %, no host sync in an ordinary step. On a GPU a FAIL makes the
 exit status 1; on CPU (--cpu) they are informative (exit 0 unless something crashed) unless
 --strict. With 2+ GPUs: an NCCL all-reduce bus bandwidth line and the transport NCCL chose.
 
@@ -61,7 +65,34 @@ from bench.bench_loader import make_dataset  # noqa: E402
 from bench.bench_step import alternate  # noqa: E402
 
 VOCABS = {"bert": 30522, "gpt": 50257}  # bert-base-uncased's and GPT-2's
-THRESHOLDS = {"ratio": 1.03, "busy_pct": 95.0, "data_wait_pct": 1.0, "syncs_per_step": 0}
+THRESHOLDS = {"data_wait_pct": 1.0, "syncs_per_step": 0}
+
+# The ratio and busy % are judged against what this benchmark measured before on the same device,
+# model and setup (docs/benchmarks.md, "GPU: first runs on one H100" and "GPU: second runs on one
+# H200"; torch 2.11, DeepSpeed 0.19.8), not against fixed limits: a limit of 1.03 x against the
+# measured 0.85-0.88 x let a 17 % regression of the app pass, and busy >= 95 % against the
+# measured 95.8 % would flap (review gpu-path-2 m-6). Keys: (device as torch names it, model,
+# seq, micro batch, precision, ZeRO stage, --compile). Values: each run's figure; the gate is the
+# worst of them with SLACK. Busy is left out where it has no recorded run in the current
+# (warmed-up, device-side) form, and at ZeRO-2, whose 72.8 and 44.6 % were the profiler's (its
+# host falls behind; the unprofiled step is 90 % device work). A device, model or setup not
+# listed (another GPU, an H200 NVL, a halved micro batch, CPU) gets no ratio or busy verdict.
+BASELINES: dict[tuple, dict[str, list[float]]] = {
+    ("NVIDIA H100 80GB HBM3", "bert-120m", 512, 64, "bf16", 1, False): {
+        "ratio": [0.854, 0.861]},  # 2026-11-26, two fresh machines; busy then in the old form
+    ("NVIDIA H200", "bert-120m", 512, 64, "bf16", 1, False): {
+        "ratio": [0.879], "busy_pct": [95.8]},  # 2026-11-27, call 1
+    ("NVIDIA H200", "bert-120m", 512, 64, "bf16", 2, False): {
+        "ratio": [0.938, 0.968]},  # --zero 2, calls 1 and 2 (before patches.relink_only_moved)
+    ("NVIDIA H200", "bert-120m", 512, 64, "bf16", 1, True): {
+        "ratio": [1.655, 1.660], "busy_pct": [97.9]},  # --compile, calls 2 and 4: slower, known
+}
+SLACK = {"ratio": 0.05, "busy_pct": 3.0}
+"""ratio: at most the worst recorded x 1.05. The largest spread between two fresh machines' runs
+of one setup is 3.2 % (ZeRO-2 on the H200, 0.938 and 0.968; ZeRO-1 on the H100 0.8 %), so 5 %
+passes that spread and fails a regression of more than ~5 %. busy_pct: at least the lowest
+recorded minus 3 points: the plain loop's busy, measured the same way, spread 0.6 points over the
+H200's four runs (96.5-97.1 %); the app's has one run a setup."""
 OOM_EXIT = 3  # a child's exit status when the model did not fit: the parent halves the batch
 
 
@@ -532,8 +563,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     for step in sides.values():
         for _ in range(spec["warmup"]):
             step()
-    wait["seconds"] = 0.0
+    wait["seconds"], first = 0.0, trainer.state.step
     blocks = alternate(sides, block, spec["rounds"], sync=synchronize)
+    # the timed blocks' waits, read before the sync count and the profiles run more app steps:
+    # taken after them, the waits of 87 steps were divided by the time of 40 (--quick; review
+    # gpu-path-2 M-4), 2.2x too high, and the H100/H200 runs failed the 1 % verdict for it
+    timed_wait, last = wait["seconds"], trainer.state.step
     app_seconds = sum(blocks["app"]) * block / 1000
     syncs = sync_sites(sides["app"], trainer, 2 * block, block, gpu)
     out = Path(spec["out"])
@@ -541,9 +576,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                                 out / f"trace-{spec['model']}-{name}.json")
             for name, step in sides.items()}
     result = figures(spec, blocks, trainer.shape)
-    result.update(data_wait_pct=100 * wait["seconds"] / app_seconds,
-                  logged_data_wait_pct=logged(spec["run"], "perf/data_wait_pct"),
-                  syncs=syncs, busy=busy, setup=setup(built, gpu))
+    result.update(data_wait_pct=100 * timed_wait / app_seconds, data_wait_steps=[first + 1, last],
+                  logged_data_wait_pct=logged_wait(spec["run"], first, last, block),
+                  compile=bool(spec.get("compile")), syncs=syncs, busy=busy,
+                  setup=setup(built, gpu))
     if graph_ops is not None:
         result["setup"].update(compiled_attention=graph_ops.summary(), compiled_ops=graph_ops.ops)
     trainer.close()
@@ -567,11 +603,21 @@ def figures(spec: dict[str, Any], blocks: dict[str, list[float]], shape) -> dict
     return out
 
 
-def logged(run: str, key: str) -> float | None:
-    """The median of `key` over the app's logged windows after the first (its warm-up)."""
-    path = Path(run) / "metrics.jsonl"
-    values = [r[key] for r in map(json.loads, path.read_text().splitlines()) if key in r][1:]
-    return statistics.median(values) if values else None
+def logged_wait(run: str, first: int, last: int, window: int) -> float | None:
+    """The app's own `perf/data_wait_pct` over steps first+1..last (the timed blocks): its logged
+    windows of `window` steps that lie inside them, each weighted by its step time, which is the
+    app's figure for the whole span (waits over wall time, as it takes one window's). The same
+    steps as data_wait_pct, which should then read the same but for where a window's clock and
+    a block's stop (the block's closing sync and the log step's tail): 0.1453 % against 0.1454 %
+    in a --cpu --quick run on the loaded 2-core box (tests/test_gpu_mfu.py checks 1.3x). None
+    when no window lies inside."""
+    key, rows = "perf/data_wait_pct", (Path(run) / "metrics.jsonl").read_text().splitlines()
+    inside = [r for r in map(json.loads, rows)
+              if key in r and r["step"] - window >= first and r["step"] <= last]
+    if not inside:
+        return None
+    ms = [r["perf/step_time_ms"] for r in inside]
+    return sum(r[key] * t for r, t in zip(inside, ms)) / sum(ms)
 
 
 def setup(built, gpu: bool) -> dict[str, Any]:
@@ -635,22 +681,49 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
         return json.loads(Path(spec["result"]).read_text())
 
 
-def verdicts(r: dict[str, Any]) -> list[tuple[bool, str, str]]:
-    """(passed, name, detail) of each threshold for one model's result."""
+def baseline_key(r: dict[str, Any]) -> tuple:
+    s = r["setup"]
+    return (s["device"], r["model"], r["seq_len"], r["micro_batch"], s["precision"], s["zero"],
+            bool(r.get("compile")))
+
+
+def verdicts(r: dict[str, Any]) -> list[tuple[bool | None, str, str]]:
+    """(passed, name, detail) of each check for one model's result; passed None: not judged (no
+    recorded baseline for this device, model and setup)."""
     t, busy, syncs = THRESHOLDS, r["busy"]["app"], r["syncs"]
+    key = baseline_key(r)
+    base = BASELINES.get(key, {})
+    unknown = (f"no recorded baseline for {key[0]}, {key[1]} seq {key[2]} x micro {key[3]} "
+               f"{key[4]} ZeRO-{key[5]}{' compiled' if key[6] else ''}: not judged")
+    ratio = f"app / plain = {r['ratio']:.3f} x"
+    busy_now = (f"{busy['of']} busy {busy['busy_pct']:.1f} % in the app's steps (plain "
+                f"{r['busy']['plain']['busy_pct']:.1f} %")
+    if base.get("ratio"):
+        most = max(base["ratio"]) * (1 + SLACK["ratio"])
+        ratio_v = (r["ratio"] <= most, "ratio", f"{ratio} (<= {most:.3f}: recorded "
+                   f"{', '.join(map(str, base['ratio']))} + {100 * SLACK['ratio']:g} %)")
+    else:
+        ratio_v = (None, "ratio", f"{ratio} ({unknown})")
+    if base.get("busy_pct"):
+        least = min(base["busy_pct"]) - SLACK["busy_pct"]
+        busy_v = (busy["busy_pct"] >= least, "busy", f"{busy_now}; >= {least:.1f} %: recorded "
+                  f"{', '.join(map(str, base['busy_pct']))} - {SLACK['busy_pct']:g})")
+    else:
+        busy_v = (None, "busy", f"{busy_now}; {unknown})")
     return [
-        (r["ratio"] <= t["ratio"], "ratio",
-         f"app / plain = {r['ratio']:.3f} x (<= {t['ratio']})"),
-        (busy["busy_pct"] >= t["busy_pct"], "busy",
-         f"{busy['of']} busy {busy['busy_pct']:.1f} % in the app's steps (plain "
-         f"{r['busy']['plain']['busy_pct']:.1f} %; >= {t['busy_pct']:g} %)"),
+        ratio_v,
+        busy_v,
         (r["data_wait_pct"] <= t["data_wait_pct"], "data wait",
-         f"{r['data_wait_pct']:.2f} % of the app's step time (app's own log: "
-         f"{fmt(r['logged_data_wait_pct'], '.2f')} %; <= {t['data_wait_pct']:g} %)"),
+         f"{r['data_wait_pct']:.2f} % of the app's time in the timed blocks (its own log of "
+         f"the same steps: {fmt(r['logged_data_wait_pct'], '.2f')} %; "
+         f"<= {t['data_wait_pct']:g} %)"),
         (syncs["per_ordinary_step"] <= t["syncs_per_step"], "host syncs",
          f"{syncs['per_ordinary_step']:g} a step outside log steps; "
          f"{sum(syncs['log_sites'].values())} at a log step"),
     ]
+
+
+VERDICT = {True: "PASS", False: "FAIL", None: "SKIP"}
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -671,7 +744,7 @@ def report(r: dict[str, Any]) -> list[str]:
         lines.append(f"  {name:<5} {side['ms_per_step']:8.2f} ms/step "
                      f"{side['tokens_per_sec']:12,.0f} tokens/s  MFU {mfu}")
     for ok, name, detail in verdicts(r):
-        lines.append(f"  {'PASS' if ok else 'FAIL'} {name:<10} {detail}")
+        lines.append(f"  {VERDICT[ok]} {name:<10} {detail}")
     for phase in ("step_sites", "log_sites", "switch_sites"):
         for site, n in r["syncs"].get(phase, {}).items():
             lines.append(f"    sync {phase[:-6]:<4} {n:3d} x {site}")
@@ -735,22 +808,25 @@ def main() -> int:
     g = geometry(args)
     args.out.mkdir(parents=True, exist_ok=True)
     results, doc = [], {"mode": "cpu" if args.cpu else "gpu", "quick": args.quick,
-                        "thresholds": THRESHOLDS, "geometry": g, "models": []}
+                        "thresholds": THRESHOLDS, "slack": SLACK, "geometry": g, "models": []}
     with tempfile.TemporaryDirectory(prefix="gpu_mfu_") as tmp:
         for model in models_for(args):
             data = dataset(Path(tmp), family(model), args, g)
             r = run_model(args, model, data, g, args.out)
             r["verdicts"] = [{"pass": ok, "name": n, "detail": d} for ok, n, d in verdicts(r)]
+            r["baseline"] = BASELINES.get(baseline_key(r))
             results.append(r)
             doc["models"].append(r)
             print("\n".join(report(r)), flush=True)
     if not args.cpu and torch.cuda.device_count() >= 2:
         doc["nccl"] = bus_bandwidth(torch.cuda.device_count(), args.out / "nccl")
         print(nccl_line(doc["nccl"]))
-    failed = any(not v["pass"] for r in results for v in r["verdicts"])
+    failed = any(v["pass"] is False for r in results for v in r["verdicts"])
+    skipped = sum(v["pass"] is None for r in results for v in r["verdicts"])
     doc["failed"] = failed
     (args.out / "gpu_mfu.json").write_text(json.dumps(doc, indent=1))
-    print(f"{'FAIL' if failed else 'PASS'}: all thresholds"
+    print(f"{'FAIL' if failed else 'PASS'}: all judged verdicts"
+          + (f" ({skipped} not judged: no recorded baseline)" if skipped else "")
           + (" (informative on CPU)" if args.cpu else "") + f"; details in {args.out}/gpu_mfu.json")
     print(ratio_line(results))
     return 1 if failed and (args.strict or not args.cpu) else 0

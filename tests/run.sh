@@ -6,9 +6,9 @@
 #
 # Installs, each only when missing: the Debian packages of the multi-node tests (sshd, ssh and pdsh
 # for launch.sh over real ssh to loopback addresses, `ip` for those addresses) and shellcheck, which
-# lints launch.sh (apt-get: root, or sudo); torch's CPU build where no torch is installed (a GPU
-# machine keeps its own CUDA build); the project with its dev extra at the versions the tests passed
-# with (constraints.txt). .ci/run calls this script; so can anyone.
+# lints launch.sh and bench/gpu_check.sh (apt-get: root, or sudo); torch's CPU build where no torch
+# is installed (a GPU machine keeps its own CUDA build); the project with its dev extra at the
+# versions the tests passed with (constraints.txt). .ci/run calls this script; so can anyone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -25,7 +25,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
   "${sudo[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
-shellcheck launch.sh
+shellcheck launch.sh bench/gpu_check.sh
 # An unpinned torch would pull the CUDA wheels; the CPU build is the one the tests ran with.
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
 python -m pip install -q -c constraints.txt -e ".[dev]"

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from app.losses import causal_lm_loss, chunk_rows
@@ -76,6 +77,71 @@ def test_the_chunked_loss_in_bf16_is_the_stock_ones_upcast():
     torch.testing.assert_close(gh.float(), wh.float(), rtol=0.02, atol=2e-4)
     for grad, exact_grad in ((gh, eh), (gw, ew)):  # both within bf16 rounding of the exact
         torch.testing.assert_close(grad.double(), exact_grad, rtol=0.02, atol=2e-4)
+
+
+class Products(TorchDispatchMode):
+    """The matrix products an op sequence dispatches, after autocast's casts: (op, dtypes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "mm" in str(func):
+            self.seen.append((str(func), tuple(a.dtype for a in args if torch.is_tensor(a))))
+        return func(*args, **(kwargs or {}))
+
+
+def head_grad(hidden, weight, labels, rows, autocast, dtype=torch.float32):
+    """d loss / d weight of the chunked loss, and the matrix products it ran."""
+    h = hidden.detach().to(dtype).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
+    with Products() as products, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = causal_lm_loss(h, w, labels, rows=rows)
+    loss.backward()
+    return w.grad, products.seen
+
+
+def test_under_autocast_the_weight_gradient_is_a_bf16_product():
+    """Autocast casts out-of-place ops only: the weight gradient's in-place `addmm_` ran in fp32
+    under torch.autocast(bf16) over fp32 weights (bench/gpu_mfu.py's plain loop; review
+    gpu-path-2 M-5). Now each chunk's product is bf16, as the stock loss's head under autocast:
+    the gradient is at bf16 precision (3.3e-3 of its largest element from the fp64 one, where the
+    fp32 product was 2.4e-7; measured here), and is the sum of the chunks' bf16 products of the
+    fp32 softmax gradient (5.5e-8 apart: the softmax's rounding; the fp32 products are 3.1e-3
+    apart). Outside autocast the same products as before, bit for bit: `addmm_` in fp32 for
+    fp32 weights, bf16 products for bf16 weights."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 33, 32, generator=gen)
+    weight = torch.randn(301, 32, generator=gen) * 0.3
+    labels = labels_with_ignored(4, 33, 301, gen)
+    rows = 64  # 132 rows: three chunks
+
+    got, products = head_grad(hidden, weight, labels, rows, autocast=True)
+    assert got.dtype == torch.float32
+    assert products and all(dt == (torch.bfloat16,) * 2 for _, dt in products), products
+    exact = stock_and_chunked(hidden.double(), weight.double(), labels, rows)[0][2]
+    scale = exact.abs().max()
+    assert (got.double() - exact).abs().max() > 1e-4 * scale  # not fp32's 2.4e-7
+
+    # the chunks' bf16 products of the fp32 d loss / d logits (from the logits autocast takes)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    target = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1)
+    keep = target != -100
+    grad = torch.softmax((flat.bfloat16() @ weight.bfloat16().t()).float(), dim=-1)
+    grad[keep.nonzero().squeeze(1), target[keep]] -= 1
+    grad[~keep] = 0
+    want = sum((grad[s:s + rows].t().bfloat16() @ flat[s:s + rows].bfloat16()).float()
+               for s in range(0, flat.shape[0], rows)) / keep.sum()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(scale))
+
+    fp32, products = head_grad(hidden, weight, labels, rows, autocast=False)
+    assert [op for op, _ in products].count("aten.addmm_.default") == 3
+    assert all(dt == (torch.float32,) * len(dt) for _, dt in products), products
+    assert (fp32.double() - exact).abs().max() < 1e-5 * scale
+    bf16, products = head_grad(hidden, weight, labels, rows, autocast=False, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and "aten.addmm_.default" not in dict(products)
+    assert all(dt == (torch.bfloat16,) * 2 for _, dt in products), products
 
 
 def test_a_micro_batch_without_targets_gives_zero_and_no_gradient():

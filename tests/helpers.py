@@ -46,11 +46,50 @@ def two_gloo_ranks(script: str, timeout: int = 120) -> None:
         assert proc.returncode == 0 and "ok" in out, err[-2000:]
 
 
-def run_app(*args: str, timeout: int = 600, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess:
-    """`python -m app ARGS` in a fresh process (a world of one)."""
+_ZYGOTE: list = []  # this pytest worker's warm process (tests/zygote.py), made on first use
+
+
+def zygote(env: dict[str, str]):
+    """The warm process that forks this worker's app runs, or None where a run with `env` must be
+    a real process: TEST_ZYGOTE=0, or an environment that changes what modules read when
+    imported (a sitecustomize on PYTHONPATH, ...: tests/zygote.py IMPORT_TIME_ENV)."""
+    if os.environ.get("TEST_ZYGOTE", "1") == "0":
+        return None
+    if not _ZYGOTE:
+        from tests.zygote import Client
+        _ZYGOTE.append(Client(clean_env()))
+    client = _ZYGOTE[0]
+    return client if client.serves(env) else None
+
+
+def _forked(module: str, args: tuple, env: dict[str, str], ranks: int,
+            timeout: float) -> subprocess.CompletedProcess | None:
+    """`python -m MODULE ARGS` on `ranks` ranks forked from the warm process, as a
+    CompletedProcess (the ranks' outputs one after the other; the launcher's status); None when
+    it must be a real process."""
+    client = zygote(env)
+    if client is None:
+        return None
+    argv = [str(a) for a in args]
+    reply = client.run(module, argv, env, str(REPO), ranks=ranks, timeout=timeout)
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired([module, *argv], timeout, "".join(reply["stdout"]),
+                                        "".join(reply["stderr"]))
+    return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], reply["returncode"],
+                                       "".join(reply["stdout"]), "".join(reply["stderr"]))
+
+
+def run_app(*args: str, timeout: int = 600, env: dict[str, str] | None = None,
+            real: bool = False) -> subprocess.CompletedProcess:
+    """`python -m app ARGS` in a process of its own (a world of one): a fork of this worker's
+    warm process (tests/zygote.py), or with `real` (or an environment a fork cannot take) a
+    fresh interpreter."""
+    env = env or clean_env()
+    forked = None if real else _forked("app", args, env, 1, timeout)
+    if forked is not None:
+        return forked
     return subprocess.run([sys.executable, "-m", "app", *map(str, args)], cwd=REPO,
-                          env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def default_sigint() -> None:
@@ -61,8 +100,15 @@ def default_sigint() -> None:
 
 
 def launch(*args: str, procs: int = 2, timeout: int = 900,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N --module app ARGS`: the real launcher, CPU accelerator, N ranks."""
+           env: dict[str, str] | None = None, real: bool = False) -> subprocess.CompletedProcess:
+    """`python -m app ARGS` on N ranks (CPU accelerator, gloo): forked from this worker's warm
+    process with the environment DeepSpeed's launcher gives its ranks (tests/zygote.py), or with
+    `real` (or an environment a fork cannot take) through the real launcher, `deepspeed
+    --num_gpus N --module app ARGS`."""
+    env = env or clean_env()
+    forked = None if real else _forked("app", args, env, procs, timeout)
+    if forked is not None:
+        return forked
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     cmd = [launcher, "--num_gpus", str(procs), "--no_local_rank", "--master_port",
            str(free_port()), "--module", "app", *map(str, args)]

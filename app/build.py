@@ -78,7 +78,8 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     warning = cpu_share_warning(device, cpu_share(), threads, loader_workers(cfg, plan.world))
     if warning and plan.world.local_rank == 0:  # each node's: nodes may be bound differently
         print(warning, file=sys.stderr)
-    faults.slow_start()  # a test switch (app/faults/injection.py)
+    faults.slow_start()  # test switches (app/faults/injection.py)
+    faults.refuse_training()
     preemption.stop_before_loop("before the run started")  # nothing written yet
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         prepare_run_dir(cfg, plan.resume)

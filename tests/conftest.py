@@ -28,6 +28,24 @@ STDLIB_MODULES = ("argparse", "dataclasses", "typing", "pathlib", "shutil", "tex
 PROGRESS_PREFIXES = ("reading corpus:", "prepare:", "verify:", "adopt:")
 
 
+NO_TRAINING = "DSPRETRAIN_TEST_NO_TRAINING"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test not marked slow may not train: any run it starts, its fixtures' included (a fork of
+    the warm process, a real process, or `build` in this one), stops once its checks pass
+    (app/faults/injection.py `refuse_training`), so the test fails and names the mark it needs."""
+    if item.get_closest_marker("slow"):
+        os.environ.pop(NO_TRAINING, None)
+    else:
+        os.environ[NO_TRAINING] = "1"
+
+
+def pytest_runtest_teardown(item):
+    os.environ.pop(NO_TRAINING, None)
+
+
 def pytest_collection_modifyitems(items):
     """`multirank` implies `slow`: a test that starts ranks through the launcher, or reads a
     fixture that does, takes tens of seconds; `-m "not slow"` leaves it out without a second mark

@@ -38,8 +38,17 @@ def two_gloo_ranks(script: str, timeout: int = 120) -> None:
     """`script` run by two real processes, `argv` = (master port, rank), which init a gloo
     group themselves; each must exit 0 having printed "ok"."""
     port = str(free_port())
+    env = clean_env()
+    client = zygote(env)
+    if client is not None:  # two forks of the warm process
+        reply = client.run([["-c", script, port, str(rank)] for rank in (0, 1)], env,
+                           str(REPO), timeout=timeout)
+        assert not reply["timed_out"], reply["stderr"]
+        for code, out, err in zip(reply["returncodes"], reply["stdout"], reply["stderr"]):
+            assert code == 0 and "ok" in out, err[-2000:]
+        return
     procs = [subprocess.Popen([sys.executable, "-c", script, port, str(rank)], cwd=REPO,
-                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for rank in (0, 1)]
     for proc in procs:
         out, err = proc.communicate(timeout=timeout)
@@ -62,21 +71,40 @@ def zygote(env: dict[str, str]):
     return client if client.serves(env) else None
 
 
+def python(*argv, env: dict[str, str] | None = None, timeout: float = 600,
+           real: bool = False) -> subprocess.CompletedProcess:
+    """`python ARGV` (`-c CODE ...`, `-m MODULE ...`, `SCRIPT ...`) in a process of its own,
+    cwd the repository: a fork of this worker's warm process (tests/zygote.py) where it can be,
+    else (`real`, or an environment a fork cannot take) a fresh interpreter."""
+    env = env or clean_env()
+    argv = [str(a) for a in argv]
+    client = None if real else zygote(env)
+    if client is None:
+        return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    reply = client.run([argv], env, str(REPO), timeout=timeout)
+    return _completed([sys.executable, *argv], reply, timeout)
+
+
+def _completed(cmd: list[str], reply: dict, timeout: float) -> subprocess.CompletedProcess:
+    """The zygote's reply as subprocess.run's (the processes' outputs one after the other)."""
+    out, err = "".join(reply["stdout"]), "".join(reply["stderr"])
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+    return subprocess.CompletedProcess(cmd, reply["returncode"], out, err)
+
+
 def _forked(module: str, args: tuple, env: dict[str, str], ranks: int,
             timeout: float) -> subprocess.CompletedProcess | None:
-    """`python -m MODULE ARGS` on `ranks` ranks forked from the warm process, as a
-    CompletedProcess (the ranks' outputs one after the other; the launcher's status); None when
-    it must be a real process."""
+    """`python -m MODULE ARGS` on `ranks` ranks forked from the warm process with the
+    launcher's environment, as a CompletedProcess (the launcher's status); None when it must be
+    a real process."""
     client = zygote(env)
     if client is None:
         return None
-    argv = [str(a) for a in args]
-    reply = client.run(module, argv, env, str(REPO), ranks=ranks, timeout=timeout)
-    if reply["timed_out"]:
-        raise subprocess.TimeoutExpired([module, *argv], timeout, "".join(reply["stdout"]),
-                                        "".join(reply["stderr"]))
-    return subprocess.CompletedProcess([sys.executable, "-m", module, *argv], reply["returncode"],
-                                       "".join(reply["stdout"]), "".join(reply["stderr"]))
+    argv = ["-m", module, *map(str, args)]
+    reply = client.run([argv] * ranks, env, str(REPO), launcher=ranks > 1, timeout=timeout)
+    return _completed([sys.executable, *argv], reply, timeout)
 
 
 def run_app(*args: str, timeout: int = 600, env: dict[str, str] | None = None,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The tests' one command, on a fresh machine as on a used one: installs what the tests need, then
-# runs pytest with the arguments given (none: the whole suite; `-m "not slow"`: the fast subset).
+# runs ruff and mypy, then pytest with the arguments given (none: the whole suite; `-m "not slow"`:
+# the fast subset). COVERAGE=1 measures line coverage of app/ and data_tools/ as it goes.
 #
 #   bash tests/run.sh [PYTEST ARGS...]
 #
@@ -29,6 +30,9 @@ shellcheck launch.sh bench/gpu_check.sh
 # An unpinned torch would pull the CUDA wheels; the CPU build is the one the tests ran with.
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
 python -m pip install -q -c constraints.txt -e ".[dev]"
+# Lint and types first: seconds, and a failure there says more than a test would.
+ruff check .
+mypy  # setup.cfg [mypy]: app/runtime, app/checkpoint, app/data
 # Never talk to wandb's servers from the tests.
 export WANDB_MODE=offline
 # One pytest worker per core, up to 8 (pytest-xdist; TEST_WORKERS=N to choose, 0 for none), each
@@ -37,4 +41,18 @@ export WANDB_MODE=offline
 workers="${TEST_WORKERS:-$(python -c 'import os; print(min(len(os.sched_getaffinity(0)), 8))')}"
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
-exec python -m pytest "${parallel[@]}" "$@"
+if [ "${COVERAGE:-0}" != 1 ]; then
+  exec python -m pytest "${parallel[@]}" "$@"
+fi
+# COVERAGE=1: line coverage of app/ and data_tools/, every process the tests start included
+# (setup.cfg [coverage:run]: subprocesses, the warm process's forks, os._exit)
+rm -rf .coverage-data
+mkdir -p .coverage-data
+export COVERAGE_FILE="$PWD/.coverage-data/coverage" COVERAGE_RCFILE="$PWD/setup.cfg"
+set +e
+python -m coverage run -m pytest "${parallel[@]}" "$@"
+rc=$?
+set -e
+python -m coverage combine -q
+python -m coverage report | tail -n 1
+exit "$rc"

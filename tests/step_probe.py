@@ -63,6 +63,12 @@ def count_host_syncs(out: str) -> None:
             json.dump({"argv": sys.argv, "counts": dict(counts), "sites": dict(sites)}, f)
 
     sys.meta_path.insert(0, _PatchOnLoad(patch_torch, patch_accelerators))
+    # in a fork of the tests' warm process (tests/zygote.py) they are loaded already
+    if "torch" in sys.modules:
+        patch_torch(sys.modules["torch"])
+    for name, module in list(sys.modules.items()):
+        if name.startswith("deepspeed.accelerator.") and name.endswith("_accelerator"):
+            patch_accelerators(module)
     atexit.register(write)
 
 

@@ -8,22 +8,20 @@ import ast
 import importlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, python
 
 SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py"))
 OURS = ("app", "data_tools", "bench")
 
 
 def bench(script: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python bench/SCRIPT ARGS` in its own process, as a user runs it."""
-    return subprocess.run([sys.executable, str(REPO / "bench" / script), *map(str, args)],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    """`python bench/SCRIPT ARGS` in its own process, as a user runs it (a fork of the warm
+    process: tests/helpers.py `python`)."""
+    return python(REPO / "bench" / script, *args, timeout=timeout)
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:

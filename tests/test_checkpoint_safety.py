@@ -19,6 +19,9 @@ BASE = [*TINY, "--save-every", "5", "--dropout", "0"]
 TAG5, TAG10 = "global_step5", "global_step10"
 
 
+SLOW = pytest.mark.slow  # the tests that read run0 (its fixture trains)
+
+
 @pytest.fixture(scope="module")
 def run0(mlm_dataset, tmp_path_factory) -> Path:
     """A run of 10 steps with checkpoints at 5 and 10."""
@@ -50,6 +53,7 @@ def logged_steps(run: Path) -> list[int]:
 
 # -- 1. a damaged `latest` ----------------------------------------------------------------------
 
+@SLOW
 @pytest.mark.parametrize("damage", ["deleted", "empty", "garbage"])
 def test_a_damaged_latest_resumes_the_newest_complete_tag(run0, mlm_dataset, tmp_path, damage):
     """Before: `latest` gone meant a run from step 0 over global_step5/10 and the metrics."""
@@ -67,6 +71,7 @@ def test_a_damaged_latest_resumes_the_newest_complete_tag(run0, mlm_dataset, tmp
     assert "at step 10" in proc.stderr
 
 
+@SLOW
 def test_no_complete_tag_is_refused_naming_what_is_there(run0, mlm_dataset, tmp_path):
     run = copy_of(run0, tmp_path)
     (run / "checkpoints" / "latest").unlink()
@@ -78,6 +83,7 @@ def test_no_complete_tag_is_refused_naming_what_is_there(run0, mlm_dataset, tmp_
     assert snapshot(run) == before
 
 
+@SLOW
 def test_a_complete_tag_newer_than_latest_is_resumed_not_deleted(run0, mlm_dataset, tmp_path):
     run = copy_of(run0, tmp_path)
     (run / "checkpoints" / "latest").write_text(TAG5)
@@ -85,6 +91,7 @@ def test_a_complete_tag_newer_than_latest_is_resumed_not_deleted(run0, mlm_datas
     assert "at step 10" in proc.stderr and "removed" not in proc.stderr
 
 
+@SLOW
 def test_an_interrupted_save_is_known_by_its_missing_manifest(run0, mlm_dataset, tmp_path):
     run = copy_of(run0, tmp_path)
     (run / "checkpoints" / TAG10 / manifest.NAME).unlink()
@@ -95,6 +102,7 @@ def test_an_interrupted_save_is_known_by_its_missing_manifest(run0, mlm_dataset,
 
 # -- 2. --resume PATH into another run ----------------------------------------------------------
 
+@SLOW
 def test_resume_into_another_runs_directory_is_refused(run0, mlm_dataset, tmp_path):
     """Before: run0 continued inside rb, rb's checkpoints pruned, both runs in one metrics."""
     rb = tmp_path / "rb"
@@ -106,6 +114,7 @@ def test_resume_into_another_runs_directory_is_refused(run0, mlm_dataset, tmp_pa
     assert snapshot(rb) == before
 
 
+@SLOW
 def test_a_fresh_out_may_resume_another_runs_tag(run0, mlm_dataset, tmp_path):
     proc = check(resume(mlm_dataset, tmp_path / "fresh", "--resume", run0 / "checkpoints" / TAG5))
     assert "at step 5" in proc.stderr
@@ -113,6 +122,7 @@ def test_a_fresh_out_may_resume_another_runs_tag(run0, mlm_dataset, tmp_path):
 
 # -- 3. manifests: damage found and named -------------------------------------------------------
 
+@SLOW
 def test_corrupt_model_states_resume_auto_takes_the_previous_tag(run0, mlm_dataset, tmp_path):
     run = copy_of(run0, tmp_path)
     flip(run / "checkpoints" / TAG10 / "mp_rank_00_model_states.pt")
@@ -122,6 +132,7 @@ def test_corrupt_model_states_resume_auto_takes_the_previous_tag(run0, mlm_datas
     assert (run / "checkpoints" / f"{TAG10}.damaged").is_dir()  # set aside, not deleted
 
 
+@SLOW
 @pytest.mark.parametrize("damage", ["flip", "rng_deleted"])
 def test_a_damaged_explicit_tag_is_refused_naming_the_file(run0, mlm_dataset, tmp_path, damage):
     src = copy_of(run0, tmp_path)
@@ -133,6 +144,7 @@ def test_a_damaged_explicit_tag_is_refused_naming_the_file(run0, mlm_dataset, tm
     assert not (tmp_path / "new").exists()
 
 
+@SLOW
 def test_export_and_convert_name_a_corrupt_file(run0, tmp_path):
     run = copy_of(run0, tmp_path)
     bad = run / "checkpoints" / TAG10 / "mp_rank_00_model_states.pt"
@@ -143,6 +155,7 @@ def test_export_and_convert_name_a_corrupt_file(run0, tmp_path):
     assert f"{bad}: checksum" in line
 
 
+@SLOW
 def test_a_tag_made_before_manifests_resumes_unverified(run0, mlm_dataset, tmp_path):
     run = copy_of(run0, tmp_path)
     for tag in (TAG5, TAG10):
@@ -155,6 +168,7 @@ def test_a_tag_made_before_manifests_resumes_unverified(run0, mlm_dataset, tmp_p
     assert "made before checkpoint manifests" in proc.stderr and "at step 10" in proc.stderr
 
 
+@SLOW
 def test_every_new_tag_has_a_manifest_of_all_its_files(run0):
     for tag in (TAG5, TAG10):
         tag_dir = run0 / "checkpoints" / tag

@@ -7,7 +7,6 @@ import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 from collections import Counter
 
@@ -19,7 +18,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from app.losses import causal_lm_loss, chunk_rows
 from app.model import (CAUSAL_SDPA, CausalLossGPT2LMHeadModel, LossHead, build_config,
                        build_model)
-from tests.helpers import REPO, TINY, check, clean_env, launch, run_app, train_losses
+from tests.helpers import REPO, TINY, check, launch, python, run_app, train_losses
 
 
 def stock_and_chunked(hidden, weight, labels, rows, **kwargs):
@@ -316,11 +315,9 @@ def test_two_ranks_at_zero_3_train_the_clm_as_at_zero_0(clm_dataset, tmp_path):
 
 @pytest.mark.slow
 def test_the_benchmark_measures_a_lower_peak(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_clm_loss.py"),
-                           "--vocab", "32000", "--seq-len", "256", "--micro-batch", "4",
-                           "--steps", "2", "--json", str(tmp_path / "out.json")],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = python(REPO / "bench" / "bench_clm_loss.py", "--vocab", "32000", "--seq-len", "256",
+                  "--micro-batch", "4", "--steps", "2", "--json", tmp_path / "out.json",
+                  timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["chunked"]["loss"] == pytest.approx(result["stock"]["loss"], rel=1e-5)

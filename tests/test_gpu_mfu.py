@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 
 from bench import gpu_mfu
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, clean_env, python
 
 
 def test_union_counts_overlaps_once_and_clips_to_the_span():
@@ -141,9 +140,7 @@ def test_gloo_bus_bandwidth_over_two_processes(tmp_path):
 def cpu_quick(tmp_path_factory):
     """One `bench/gpu_mfu.py --cpu --quick` run (1-2 minutes) for the tests that read it."""
     out = tmp_path_factory.mktemp("gpu_mfu")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_mfu.py"), "--cpu", "--quick",
-                           "--out", str(out)], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=900)
+    proc = python(REPO / "bench" / "gpu_mfu.py", "--cpu", "--quick", "--out", out, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc, out
 

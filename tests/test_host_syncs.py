@@ -1,5 +1,6 @@
 """No host sync in a training step (issue 22): real `python -m app train` runs with a probe
-(tests/step_probe.py `count_host_syncs`, loaded by a sitecustomize.py first on PYTHONPATH) that
+(tests/step_probe.py `count_host_syncs`, installed before the app runs: in a fork of the tests' warm
+process, tests/zygote.py, or by a sitecustomize.py first on PYTHONPATH in a fresh one) that
 counts DeepSpeed's accelerator `synchronize()` calls and host reads of tensors by call site. A
 run of N steps and one of 2N steps, logging, evaluating and saving only at the last step, must
 make the same calls: nothing may grow with the steps, at every ZeRO stage, in fp32 and bf16
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, TINY, clean_env, run_app
+from tests.helpers import REPO, TINY, clean_env, python
 
 N = 4
 STEP_PROBE = str(REPO / "tests" / "step_probe.py")
@@ -33,17 +34,26 @@ _probe.count_host_syncs(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 """
 
 
+# the probe first, then `python -m app ARGV` (a fork of the warm process, whose torch and
+# accelerators the probe patches where they are loaded already: tests/step_probe.py)
+PROBED_APP = """import runpy, sys
+import app.__main__
+from tests.step_probe import count_host_syncs
+count_host_syncs(sys.argv[1])
+sys.argv = [app.__main__.__file__, *sys.argv[2:]]  # as `python -m app` sets it
+runpy.run_path(app.__main__.__file__, run_name="__main__")
+"""
+
+
 def counted(tmp_path: Path, data: Path, steps: int, *args: str) -> dict:
     """The probe's counts for the training process of one 1-rank run of `steps` steps."""
     probe = tmp_path / f"probe{steps}"
     (probe / "out").mkdir(parents=True)
-    (probe / "sitecustomize.py").write_text(PROBE)
-    env = clean_env(PYTHONPATH=f"{probe}{os.pathsep}{REPO}")
     last = str(steps)  # log, eval and save once, at the last step of both runs
-    proc = run_app("train", "--data", data, "--out", tmp_path / f"run{steps}", *TINY,
-                   "--model", "bert-tiny", "--seed", "5", "--max-steps", last, "--log-every",
-                   last, "--eval-every", last, "--save-every", last, "--eval-samples", "8", *args,
-                   env=env)
+    proc = python("-c", PROBED_APP, probe / "out", "train", "--data", data, "--out",
+                  tmp_path / f"run{steps}", *TINY, "--model", "bert-tiny", "--seed", "5",
+                  "--max-steps", last, "--log-every", last, "--eval-every", last, "--save-every",
+                  last, "--eval-samples", "8", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(p.read_text()) for p in (probe / "out").glob("*.json")]
     recs = [r for r in recs if r["argv"] and r["argv"][0].endswith(f"app{os.sep}__main__.py")]
@@ -97,4 +107,12 @@ def test_the_probe_counts_syncs_and_reads(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (rec,) = [json.loads(p.read_text()) for p in (probe / "out").glob("*.json")]
+    assert rec["counts"]["synchronize"] == 3 and rec["counts"]["read"] == 3, rec["counts"]
+    # the way the runs above are probed: in a fork of the warm process, torch loaded already
+    forked = tmp_path / "forked"
+    forked.mkdir()
+    proc = python("-c", "import runpy, sys\nfrom tests.step_probe import count_host_syncs\n"
+                  "count_host_syncs(sys.argv[1])\nrunpy.run_path(sys.argv[2])", forked, script)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rec,) = [json.loads(p.read_text()) for p in forked.glob("*.json")]
     assert rec["counts"]["synchronize"] == 3 and rec["counts"]["read"] == 3, rec["counts"]

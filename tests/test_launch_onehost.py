@@ -67,6 +67,7 @@ def test_no_ssh_keeps_the_hostfile(tmp_path):
     assert value(cmd, "--hostfile") == str(hosts) and "--no_ssh" in cmd
 
 
+@pytest.mark.slow
 def test_one_host_hostfile_trains_on_this_box(tmp_path, mlm_dataset):
     """The real launch: before, DeepSpeed's runner ssh'd to localhost and ended in a traceback."""
     hosts = tmp_path / "hosts"

@@ -2,12 +2,10 @@
 on a real engine in a process of its own (a world of one, DeepSpeed's CPU accelerator)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO, clean_env, free_port
+from tests.helpers import clean_env, free_port, python
 
 # ZeRO-0 fp32 with clipping active (the gradients' norm far above 0.05): the app's clipping,
 # without DeepSpeed's all-reduce of the norm, gives DeepSpeed's clipped gradients bit for bit.
@@ -42,8 +40,7 @@ def alone(script: str) -> str:
     """The script's output, run in a world of one of its own (no launcher)."""
     env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = python("-c", script, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from app.runtime.device import (AUTO_ATTENTION, CpuShare, Device, _FLASH_PROBE, choose_attention,
                                 cpu_share_warning, device_ordinal, flash_attention_broken)
 from data_tools.errors import UserError
-from tests.helpers import REPO, TINY, check, clean_env, remanifest, run_app
+from tests.helpers import REPO, TINY, check, clean_env, python, remanifest, run_app
 
 CPU = Device("cpu", "gloo", False, True, False)
 GPU = Device("cuda", "nccl", True, True, True, model="NVIDIA H100 80GB HBM3")
@@ -132,12 +131,10 @@ def test_jit_ops_build_in_a_directory_of_the_nodes_own(tmp_path):
     env.pop("TORCH_EXTENSIONS_DIR", None)
     code = ("import os; from app.runtime.ops import _own_extensions_dir; _own_extensions_dir(); "
             "print(os.environ['TORCH_EXTENSIONS_DIR'])")
-    out = check(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
-                               capture_output=True, text=True, timeout=300)).stdout.strip()
+    out = check(python("-c", code, env=env, timeout=300)).stdout.strip()
     assert Path(out).name == platform.node() and Path(out).parent.name.startswith("py3")
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path)  # the user's choice stands
-    out = check(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
-                               capture_output=True, text=True, timeout=300)).stdout.strip()
+    out = check(python("-c", code, env=env, timeout=300)).stdout.strip()
     assert out == str(tmp_path)
 
 
@@ -161,8 +158,7 @@ def test_a_rank_bound_to_its_own_cores_is_not_divided_again():
             "s = cpu_share({'LOCAL_WORLD_SIZE': '8'}); print(s.shared, s.cores)")
     seen = {}
     for how in ("bind", "inherit"):
-        proc = check(subprocess.run([sys.executable, "-c", code, how], cwd=REPO, env=clean_env(),
-                                    capture_output=True, text=True, timeout=300))
+        proc = check(python("-c", code, how, timeout=300))
         seen[how] = proc.stdout.split()
     assert seen["bind"] == ["False", "1"]  # its own one core (srun --cpu-bind), kept whole
     assert seen["inherit"] == ["True", str(len(os.sched_getaffinity(0)) // 8)]
@@ -248,7 +244,7 @@ def test_a_checkpoint_of_deepspeeds_adam_converts_or_is_refused_in_one_line(mlm_
     resumed = check(run_app("train", "--data", mlm_dataset, "--out", run, *TINY,
                             "--max-steps", "4", "--resume", "auto"))
     assert (f"resume: {tag} holds DeepSpeed FusedAdam's optimizer state and this run steps "
-            f"torch AdamW (converting it)") in resumed.stderr
+            f"torch AdamW (fused) (converting it)") in resumed.stderr
     assert (run / "checkpoints" / "global_step2.universal").is_dir()
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
 

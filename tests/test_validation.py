@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from app.settle import check_learnable, check_vocabulary
 from data_tools import output
 from data_tools.errors import UserError
 from data_tools.schema import check_regular, read_json
-from tests.helpers import REPO, TINY, clean_env, error_lines, run_app
+from tests.helpers import TINY, error_lines, python, run_app
 
 BASE = json.loads(zero_config_path(0).read_text())
 
@@ -248,20 +247,17 @@ def test_prepare_and_inspect_refuse_a_fifo_tokenizer_file(wordpiece_tokenizer, m
         not_regular(ds / "tokenizer" / "tokenizer.json", "fifo"): ["inspect", "--decode", "2",
                                                                      ds]}
     for fifo, argv in commands.items():
-        proc = subprocess.run([sys.executable, "-m", "data_tools", *map(str, argv)], cwd=REPO,
-                              env=clean_env(), capture_output=True, text=True, timeout=60)
+        proc = python("-m", "data_tools", *argv, timeout=60)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert error_lines(proc.stderr) == [f"python -m data_tools {argv[0]}: error: {fifo}: is "
                                              f"a FIFO, expected a regular file"]
     assert not (tmp_path / "out").exists()
     # the dataset's own copy: inspect --verify names what it is, app train refuses it
     fifo = ds / "tokenizer" / "tokenizer.json"
-    proc = subprocess.run([sys.executable, "-m", "data_tools", "inspect", "--verify", str(ds)],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    proc = python("-m", "data_tools", "inspect", "--verify", ds, timeout=60)
     assert proc.returncode == 2 and f"{fifo}: is a FIFO, expected a regular file" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "app", "train", "--data", str(ds), "--out",
-                           str(tmp_path / "run"), "--max-steps", "1"], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=90)
+    proc = python("-m", "app", "train", "--data", ds, "--out", tmp_path / "run", "--max-steps",
+                  "1", timeout=90)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"{fifo}: is a FIFO, expected a regular file" in proc.stderr
 

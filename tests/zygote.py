@@ -60,6 +60,7 @@ def preload() -> None:
     import app.telemetry.report  # noqa: F401
     import app.train  # noqa: F401  (installs the stop handlers: undone below)
     import data_tools.__main__  # noqa: F401
+    import data_tools.prepare  # noqa: F401
     from app.faults import preemption
 
     get_accelerator()
@@ -67,7 +68,7 @@ def preload() -> None:
 
 
 def _child(req: dict, rank: int, ranks: int, port: int, out: str, err: str) -> None:
-    """In the forked child: become the run, never return."""
+    """In the forked child: become `python ARGV` (this rank's), never return."""
     code = 1
     try:
         os.setpgrp()  # its own group: a timeout or a failing peer kills its workers too
@@ -81,24 +82,18 @@ def _child(req: dict, rank: int, ranks: int, port: int, out: str, err: str) -> N
             signal.signal(s, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(req["env"])
-        if ranks > 1:
+        if req.get("launcher"):  # what DeepSpeed's launch.py gives each rank
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
                               LOCAL_SIZE=str(ranks), CROSS_RANK="0", CROSS_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         os.chdir(req["cwd"])
-        argv = list(req["argv"])
-        sys.argv = [f"-m {req['module']}", *argv]
-        if req["module"] == "app":
-            from app.__main__ import main
-            if argv[:1] == ["train"]:
-                from app.faults import preemption
-                preemption.catch()  # as `import app.train` does first thing in a fresh process
-        else:
-            from data_tools.__main__ import main
-        code = main(argv)
+        _python(req["argvs"][rank])
+        code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # a traceback, as `python -m` prints it
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # a traceback, as `python` prints it
         traceback.print_exc()
         code = 1
     finally:
@@ -108,6 +103,32 @@ def _child(req: dict, rank: int, ranks: int, port: int, out: str, err: str) -> N
             sys.stderr.flush()
         finally:
             os._exit(int(code or 0) & 0xFF)
+
+
+def _python(argv: list[str]) -> None:
+    """What `python ARGV` runs: `-c CODE ARGS`, `-m MODULE ARGS` or `SCRIPT ARGS`, with sys.argv
+    and sys.path[0] as the interpreter sets them."""
+    import runpy
+
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    elif argv[0] == "-m":
+        import importlib.util
+        spec = importlib.util.find_spec(argv[1])
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{argv[1]}.__main__")  # a package: its __main__
+        sys.argv = [spec.origin if spec is not None else argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        if argv[1:3] == ["app", "train"]:  # `import app.train` installs these first thing
+            from app.faults import preemption
+            preemption.catch()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 def _free_port() -> int:
@@ -134,9 +155,10 @@ def _reap(pids: dict[int, int | None]) -> None:
 
 
 def run(req: dict) -> dict:
-    """Fork the run's ranks, wait as DeepSpeed's launcher does, collect their output."""
-    ranks = int(req.get("ranks", 1))
-    port = _free_port() if ranks > 1 else 0
+    """Fork one process for each argv of `argvs` (`launcher`: as ranks of one job, with the
+    launcher's environment), wait as DeepSpeed's launcher does, collect their output."""
+    ranks = len(req["argvs"])
+    port = _free_port() if req.get("launcher") else 0
     work = tempfile.mkdtemp(prefix="zygote-")
     files = [(os.path.join(work, f"out{r}"), os.path.join(work, f"err{r}")) for r in range(ranks)]
     sys.stdout.flush()
@@ -155,7 +177,7 @@ def run(req: dict) -> dict:
         _reap(pids)
         if first_bad is None:
             first_bad = next((s for s in (pids[p] for p in order) if s not in (None, 0)), None)
-            if first_bad is not None and ranks > 1:
+            if first_bad is not None and ranks > 1 and req.get("launcher"):
                 failed_at = time.monotonic()
                 _kill(pids, signal.SIGTERM)  # the launcher's terminate_process_tree
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
@@ -230,13 +252,16 @@ class Client:
         return self.proc.poll() is None and all(env.get(k) == self.env.get(k)
                                                 for k in IMPORT_TIME_ENV)
 
-    def run(self, module: str, argv: list[str], env: dict[str, str], cwd: str, ranks: int = 1,
+    def run(self, argvs: list[list[str]], env: dict[str, str], cwd: str, launcher: bool = False,
             timeout: float = 600) -> dict:
+        """`python ARGV` forked once for each argv in `argvs` (`launcher`: as the ranks of one
+        job); the reply: returncode, returncodes, stdout and stderr (a list, one a process),
+        timed_out."""
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(self.path)
             with s.makefile("rwb") as stream:
-                stream.write(json.dumps({"module": module, "argv": argv, "env": env,
-                                         "cwd": cwd, "ranks": ranks,
+                stream.write(json.dumps({"argvs": argvs, "env": env, "cwd": cwd,
+                                         "launcher": launcher,
                                          "timeout": timeout}).encode() + b"\n")
                 stream.flush()
                 reply = json.loads(stream.readline())

@@ -11,6 +11,8 @@ app.checkpoint.store), so the training loop's source holds no test lines.
     DSPRETRAIN_TEST_HANG=RANK:STEP             that rank hangs at that step (the watchdog)
     DSPRETRAIN_TEST_DIE_IN_SAVE=STEP           the process dies halfway through that step's save
     DSPRETRAIN_TEST_DAMAGE_SAVE=STEP           that step's first save is damaged once complete
+    DSPRETRAIN_TEST_NO_TRAINING=1              a run that passed its checks stops before it writes
+                                               or trains (the tests' fast subset: tests/conftest.py)
 """
 from __future__ import annotations
 
@@ -136,6 +138,19 @@ def flip(path: Path, n: int = 4096) -> None:
         data = f.read(n)
         f.seek(-len(data), os.SEEK_CUR)
         f.write(bytes(b ^ 0xFF for b in data))
+
+
+class TrainingInFastTest(RuntimeError):
+    """A run got past its checks in a test the fast subset runs (not marked slow)."""
+
+
+def refuse_training(env: Mapping[str, str] = os.environ) -> None:
+    """DSPRETRAIN_TEST_NO_TRAINING=1: the run has passed every check of its plan and would now
+    write its run directory and train, which no test of the fast subset may do (tests/conftest.py
+    sets it for every test not marked slow): stop with a traceback that says so."""
+    if env.get("DSPRETRAIN_TEST_NO_TRAINING"):
+        raise TrainingInFastTest("a test not marked slow started a training run "
+                                 "(DSPRETRAIN_TEST_NO_TRAINING): mark it slow (tests/README.md)")
 
 
 def slow_start(env: Mapping[str, str] = os.environ) -> None:

@@ -79,8 +79,16 @@ _ZERO1_REDUCTION = (
     Target(f"{ENGINE}.allreduce_gradients"),
     Target(f"{ENGINE}.is_gradient_accumulation_boundary", ()),
 )
-_ZERO1_ATTRS = ("flatten", "gradient_average", "sequence_parallel_size", "dp_process_group",
-                "partition_gradients", "overlap_comm", "cpu_offload")
+# what the reducers read on each optimizer they take the reduction of (by its class)
+_REDUCER_ATTRS = {
+    "DeepSpeedZeroOptimizer": ("flatten", "gradient_average", "sequence_parallel_size",
+                               "dp_process_group", "partition_gradients", "overlap_comm",
+                               "cpu_offload", "round_robin_bit16_groups", "bit16_groups_flat",
+                               "parallel_partitioned_bit16_groups", "real_dp_process_group"),
+    "BF16_Optimizer": ("bf16_groups", "bf16_groups_flat", "bf16_partitioned_groups",
+                       "fp32_groups_gradients", "fp32_groups_gradients_flat",
+                       "fp32_groups_gradient_flat_partition", "immediate_grad_update",
+                       "real_dp_process_group", "norm_type")}
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,9 @@ class Patch:
     does: str
     applies: str
     targets: tuple[Target, ...]
-    attrs: tuple[str, ...]
-    """Attributes of the engine's optimizer read or replaced on the instance (checked at
-    install, where the patch applies)."""
+    attrs: tuple[str, ...] | dict[str, tuple[str, ...]]
+    """Attributes of the engine's optimizer (or engine) read or replaced on the instance,
+    checked at install where the patch applies; by the object's class name where they differ."""
     test: str
     retire: str
     runs_on: str = "all"
@@ -188,7 +196,7 @@ PATCHES: tuple[Patch, ...] = (
           "apply",
           "more than one data-parallel rank; ZeRO-0, ZeRO-1 with gradients in param.grad, or "
           "BF16_Optimizer with immediate_grad_update; no MoE, pipeline or sequence parallelism",
-          _ZERO1_REDUCTION, _ZERO1_ATTRS,
+          _ZERO1_REDUCTION, _REDUCER_ATTRS,
           "tests/test_overlap.py (the same losses as DeepSpeed's reduction)",
           "an overlapped ZeRO-0 upstream (or torch DDP inside the engine)"),
     Patch("partition_reduce",
@@ -197,7 +205,7 @@ PATCHES: tuple[Patch, ...] = (
           "partitions",
           "as grad_overlap, at ZeRO-1, where DeepSpeed's flat groups are equal partitions",
           _ZERO1_REDUCTION + (Target(f"{BF16_OPT}.get_grads_for_norm", ("for_clipping",)),),
-          _ZERO1_ATTRS + ("real_dp_process_group",),
+          _REDUCER_ATTRS,
           "tests/test_overlap.py (bit for bit against DeepSpeed's reduction; NCCL's branch "
           "with -gloo_pairwise)",
           "DeepSpeed's overlap_comm at stage 1 (#4887) measured on NCCL as fast"),
@@ -314,9 +322,12 @@ def select(text: str, version: str | None = None) -> tuple[frozenset[str], list[
     return frozenset(usable), notes
 
 
-def missing_attrs(name: str, *objects: Any) -> list[str]:
-    """The instance attributes patch `name` reads that none of `objects` has."""
-    return [a for a in BY_NAME[name].attrs if not any(hasattr(o, a) for o in objects)]
+def missing_attrs(name: str, obj: Any) -> list[str]:
+    """The instance attributes patch `name` reads on `obj` that it lacks."""
+    attrs = BY_NAME[name].attrs
+    if isinstance(attrs, dict):
+        attrs = attrs.get(type(obj).__name__, ())
+    return [a for a in attrs if not hasattr(obj, a)]
 
 
 def applies(name: str, selection: Iterable[str], obj: Any, notes: list[str]) -> bool:

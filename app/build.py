@@ -24,19 +24,30 @@ from app.checkpoint.train_state import TrainState
 from app.config import TrainConfig
 from app.data.order import skip_ahead
 from app.data.sources import Sources
-from app.faults import anomaly
+from app.faults import anomaly, preemption
 from app.faults import injection as faults
-from app.faults import preemption
 from app.faults.preemption import StopRequests
 from app.faults.recovery import Recovery
 from app.faults.watchdog import Watchdog
 from app.init_from import load_init_weights
-from app.model import (build_model, count_parameters, group_names, optimizer_groups,
-                       skeleton_group_names)
-from app.runtime.device import (ComputeClock, Device, cpu_share, cpu_share_warning, detect,
-                                enable_tf32, set_cpu_threads)
-from app.runtime.dist import World, adopt_launcher_env, barrier, init_distributed, world_from_env
+from app.model import (
+    build_model,
+    count_parameters,
+    group_names,
+    optimizer_groups,
+    skeleton_group_names,
+)
 from app.runtime import registry
+from app.runtime.device import (
+    ComputeClock,
+    Device,
+    cpu_share,
+    cpu_share_warning,
+    detect,
+    enable_tf32,
+    set_cpu_threads,
+)
+from app.runtime.dist import World, adopt_launcher_env, barrier, init_distributed, world_from_env
 from app.runtime.ds_config import zero_stage
 from app.runtime.engine import engine_facts, initialize, versions
 from app.settle import Plan, plan_run

@@ -20,7 +20,6 @@ from app.model import objective_of
 from app.rundir import is_run_dir
 from data_tools.errors import UserError
 
-
 # Config fields that fix the shapes of the weights: an --init-from source must agree on them
 _GEOMETRY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "intermediate_size", "max_position_embeddings", "type_vocab_size", "head_dim",

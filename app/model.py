@@ -13,10 +13,23 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
-from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM,
-                          AutoModelForMaskedLM, BertConfig, BertForMaskedLM, GPT2Config,
-                          GPT2LMHeadModel, LlamaConfig, ModernBertConfig, ModernBertForMaskedLM,
-                          PretrainedConfig, PreTrainedModel, RobertaConfig, RobertaForMaskedLM)
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    ModernBertConfig,
+    ModernBertForMaskedLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, MaskedLMOutput
 
@@ -509,8 +522,9 @@ def build_model(config: PretrainedConfig, *, gradient_checkpointing: bool = Fals
 
     `for_training`: the MLM head takes the loader's masked positions (SparseHeadBertForMaskedLM);
     GPT-2 computes its loss in chunks, without a cache or a host read
-    (CausalLossGPT2LMHeadModel); and the model skips transformers' per-forward look for padding in inputs given without an
-    attention mask (a host sync each step; the loader hands over a mask whenever it pads).
+    (CausalLossGPT2LMHeadModel); and the model skips transformers' per-forward look for padding
+    in inputs given without an attention mask (a host sync each step; the loader hands over a
+    mask whenever it pads).
     `zero3_config`: a ZeRO-3 DeepSpeed config; the model is then built partitioned
     (`deepspeed.zero.Init`, in a process group): no rank ever holds all of it, and its weights
     are the same as an unpartitioned build's (app.runtime.zero3_init). A warm start

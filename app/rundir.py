@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 from data_tools import output
 from data_tools.errors import UserError
-from data_tools.schema import (NonNegativeFloat, NonNegativeInt, Schema, check, read_json,
-                               read_jsonl)
+from data_tools.schema import NonNegativeFloat, NonNegativeInt, Schema, check, read_json, read_jsonl
 
 KIND = "run directory"
 COMMAND = "app train"

@@ -14,17 +14,28 @@ from typing import Any, Callable
 from app import rundir
 from app.checkpoint import store as checkpoint
 from app.checkpoint.train_state import ONE_DOCUMENT_A_SAMPLE, phase_position
-from app.checkpoint.universal import (Layout, convertible_into, is_universal, layout_of,
-                                     optimizer_switch, saved_layout)
+from app.checkpoint.universal import (
+    Layout,
+    convertible_into,
+    is_universal,
+    layout_of,
+    optimizer_switch,
+    saved_layout,
+)
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
 from app.init_from import check_init_config, read_init_config
-from app.model import (build_config, check_packed_attention, max_positions, parse_overrides,
-                       preset)
+from app.model import build_config, check_packed_attention, max_positions, parse_overrides, preset
 from app.runtime.device import Device, attention_implementation, choose_attention
 from app.runtime.dist import World
-from app.runtime.ds_config import (fill_auto, load_ds_config, settle_precision, validate_ds_config,
-                                   zero_config_path, zero_stage)
+from app.runtime.ds_config import (
+    fill_auto,
+    load_ds_config,
+    settle_precision,
+    validate_ds_config,
+    zero_config_path,
+    zero_stage,
+)
 from app.schedule import schedule_fn
 from app.telemetry.sinks import check_wandb, wandb_settings
 from data_tools.errors import UserError

@@ -41,8 +41,14 @@ from app.faults.recovery import Recovery
 from app.faults.watchdog import Watchdog
 from app.runtime.device import ComputeClock, memory_gb, synchronize, to_device
 from app.runtime.dist import World, all_reduce_sum, gather_rows
-from app.runtime.engine import (apply_lr_schedule, grad_norm_before_step, loss_scale,
-                                model_state_bytes, optimizer_step, reported_grad_norm)
+from app.runtime.engine import (
+    apply_lr_schedule,
+    grad_norm_before_step,
+    loss_scale,
+    model_state_bytes,
+    optimizer_step,
+    reported_grad_norm,
+)
 from app.telemetry import figures as telemetry
 from app.telemetry.sinks import MetricsLogger
 from app.telemetry.timing import Window

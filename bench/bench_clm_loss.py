@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> None:
         step_time_ratio=chunked["step_s"] / stock["step_s"],
         machine=f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, torch "
                 f"{torch.__version__}",
-        setup=f"{' '.join([args.model, *args.model_arg])} vocab {args.vocab} seq {args.seq_len} micro batch "
-              f"{args.micro_batch}, fp32, {args.steps} steps x {args.repeats} processes a side")
+        setup=f"{' '.join([args.model, *args.model_arg])} vocab {args.vocab} seq {args.seq_len} "
+              f"micro batch {args.micro_batch}, fp32, {args.steps} steps x {args.repeats} "
+              f"processes a side")
     print(result["machine"] + "; " + result["setup"])
     for side in SIDES:
         r = result[side]

@@ -8,8 +8,8 @@ compiled alone, with a padding mask, kept cuDNN's kernel and was 12 % faster tha
 script runs that model alone in each configuration that differs between the two, so one short
 GPU call says which one sends the compiled graph to the math path:
 
-    python bench/bench_compile_attn.py                       # GPU: bert-120m, seq 512 x micro 64, bf16
-    python bench/bench_compile_attn.py --cpu                 # bert-tiny on CPU (what CI runs)
+    python bench/bench_compile_attn.py          # GPU: bert-120m, seq 512 x micro 64, bf16
+    python bench/bench_compile_attn.py --cpu    # bert-tiny on CPU (what CI runs)
     python bench/bench_compile_attn.py --dropout 0.1 --mask none padding
 
 For each attention dropout x mask ("none": no attention mask, as the loader's concat packing

@@ -113,7 +113,7 @@ def main() -> int:
           "| prepare tok/s (MB/s) | prepare / encode_batch | prepare / encode_batch_fast |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        def cell(s: float) -> str:
+        def cell(s: float, r: dict = r) -> str:
             return f"{r['tokens'] / s:,.0f} ({r['input_mb'] / s:.2f})"
         print(f"| {r['kind']} | {r['tokens']:,} | {cell(r['ref_s'])} | {cell(r['fast_s'])} "
               f"| {cell(r['prep_s'])} | **{r['ratio']:.2f}** | {r['ratio_fast']:.2f} |")

@@ -35,10 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="blocks of each, alternating")
     args = p.parse_args(argv)
 
-    from app.runtime.dist import free_port
-    from app.model import build_config, build_model
-    from app.runtime.engine import initialize
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from app.model import build_config, build_model
+    from app.runtime.dist import free_port
+    from app.runtime.engine import initialize
 
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1e6 * (time.perf_counter() - start) / args.calls
 
     times: dict[str, list[float]] = {name: [] for name in versions}
-    for name, relink in versions.items():
+    for relink in versions.values():
         block(relink)  # warm-up
     for _ in range(args.rounds):
         for name, relink in versions.items():

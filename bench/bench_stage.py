@@ -27,8 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data_tools.indexed import ShardWriter  # noqa: E402
-from data_tools.manifest import (dataset_fingerprint, file_checksum,  # noqa: E402
-                                 tokenizer_fingerprint, write_manifest)
+from data_tools.manifest import (  # noqa: E402
+    dataset_fingerprint,
+    file_checksum,
+    tokenizer_fingerprint,
+    write_manifest,
+)
 
 
 def make_dataset(root: Path, total_bytes: int, shards: int = 8) -> None:

@@ -34,8 +34,15 @@ import torch  # noqa: E402
 from app.build import build  # noqa: E402
 from app.config import TrainConfig  # noqa: E402
 from app.schedule import schedule_fn  # noqa: E402
-from bench.bench_train import (BETAS, EPS, LR, MIN_LR_RATIO, WEIGHT_DECAY,  # noqa: E402
-                               _model_and_batches, model_arguments)
+from bench.bench_train import (  # noqa: E402
+    BETAS,
+    EPS,
+    LR,
+    MIN_LR_RATIO,
+    WEIGHT_DECAY,
+    _model_and_batches,
+    model_arguments,
+)
 from data_tools.manifest import load_manifest  # noqa: E402
 
 

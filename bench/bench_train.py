@@ -114,10 +114,10 @@ def reference_run(args, side: str = "ref") -> dict:
 def _model_and_batches(args, manifest: dict, others: bool = False):
     """The model a side trains and an iterator over the app's batches (as the reference loop
     builds). The model: for an --others side (`others`) with `--others-model stock` and the
-    causal objective, the transformers class a user of that tool trains (GPT2LMHeadModel with its own loss and
-    its inference cache on, as transformers configures it), built from the same config and seed
-    (the same weights); else the app's training model (its chunked loss; for MLM always: its
-    batches carry the masked positions only the app's sparse head takes)."""
+    causal objective, the transformers class a user of that tool trains (GPT2LMHeadModel with its
+    own loss and its inference cache on, as transformers configures it), built from the same
+    config and seed (the same weights); else the app's training model (its chunked loss; for MLM
+    always: its batches carry the masked positions only the app's sparse head takes)."""
     config = build_config(args.model, vocab_size=manifest["vocab_size"],
                           special_ids=special_ids(manifest),
                           overrides=parse_overrides(args.model_arg), dropout=args.dropout)

@@ -49,7 +49,6 @@ def rank_main(model_name: str, build: str) -> None:
     import torch
 
     from app.model import build_config, build_model, count_parameters
-
     from app.runtime.device import detect
     from app.runtime.dist import barrier, init_distributed, shutdown
 

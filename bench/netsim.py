@@ -511,9 +511,11 @@ def collective_worker(argv: list[str]) -> int:
     for nbytes in sizes:
         full = torch.ones(max(world, nbytes // 4 // world * world))
         part = torch.ones(full.numel() // world)
-        calls = {"all-reduce": lambda: dist.all_reduce(full),
-                 "reduce-scatter": lambda: dist.reduce_scatter_tensor(part, full),
-                 "all-gather": lambda: dist.all_gather_into_tensor(full, part)}
+        calls = {"all-reduce": lambda full=full: dist.all_reduce(full),
+                 "reduce-scatter": lambda full=full, part=part: dist.reduce_scatter_tensor(
+                     part, full),
+                 "all-gather": lambda full=full, part=part: dist.all_gather_into_tensor(
+                     full, part)}
         for kind in COLLECTIVES:
             wall, cpu = [], []
             for _ in range(repeats + 1):  # the first call sets up the pairs' buffers

@@ -14,9 +14,9 @@ import numpy as np
 from tqdm import tqdm
 
 from data_tools import manifest as mf
+from data_tools import schema
 from data_tools.errors import UserError
 from data_tools.indexed import FormatError, IndexedShard
-from data_tools import schema
 from data_tools.schema import check_regular
 
 

@@ -36,13 +36,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Literal
 
 import numpy as np
-
 import xxhash
 
 from data_tools.errors import UserError
 from data_tools.output import write_json_atomic
-from data_tools.schema import (NonNegativeInt, PositiveInt, Schema, check, check_regular,
-                               read_json)
+from data_tools.schema import NonNegativeInt, PositiveInt, Schema, check, check_regular, read_json
 
 MANIFEST = "dataset.json"
 FORMAT = "dspretrain-dataset"

@@ -49,8 +49,16 @@ from data_tools import output
 from data_tools.cli import config_flags, finite_float, flag, from_args
 from data_tools.corpus import DEFAULT_INCLUDE, PIECE_CHARS, Corpus, Position
 from data_tools.errors import UserError
-from data_tools.resume import (Journal, ResumePoint, check_resumable, discard_uncommitted,
-                               input_files, is_journal_file, key_difference, shard_file)
+from data_tools.resume import (
+    Journal,
+    ResumePoint,
+    check_resumable,
+    discard_uncommitted,
+    input_files,
+    is_journal_file,
+    key_difference,
+    shard_file,
+)
 from data_tools.shards import SplitWriter
 from data_tools.tokenizer_info import TokenizerInfo
 

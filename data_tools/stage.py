@@ -40,8 +40,16 @@ from tqdm import tqdm
 from data_tools import output
 from data_tools.cli import config_flags
 from data_tools.errors import UserError
-from data_tools.manifest import (MANIFEST, TOKENIZER_DIR, dataset_files, file_checksum,
-                                 format_digest, load_manifest, new_hasher, read_chunks)
+from data_tools.manifest import (
+    MANIFEST,
+    TOKENIZER_DIR,
+    dataset_files,
+    file_checksum,
+    format_digest,
+    load_manifest,
+    new_hasher,
+    read_chunks,
+)
 
 LOCK_NAME = ".stage.lock"
 STATE_NAME = ".stage-state.json"

@@ -55,8 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(kind: str, vocab_size: int, min_frequency: int = 2, lowercase: bool = False):
     """An untrained `tokenizers.Tokenizer` and its trainer for `kind`."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers import trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     if kind == "wordpiece":
         specials = list(WORDPIECE_SPECIALS.values())

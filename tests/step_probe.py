@@ -47,7 +47,7 @@ def count_host_syncs(out: str) -> None:
     def patch_torch(torch) -> None:
         own = os.path.dirname(torch.__file__) + os.sep
         for name in READS:
-            def read(self, *a, _orig=getattr(torch.Tensor, name), **k):
+            def read(self, *a, _orig=getattr(torch.Tensor, name), **k):  # noqa: B008
                 frame = sys._getframe(1)
                 if not frame.f_code.co_filename.startswith(own):
                     mark("read", frame)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from app.sweep import command as bench
-from app.sweep import results as bench_results
-from app.sweep import configs as sweep
 from app.__main__ import main as app_main
 from app.plan.probe import _failure, tagged_pids
+from app.sweep import command as bench
+from app.sweep import configs as sweep
+from app.sweep import results as bench_results
 from data_tools.errors import UserError
 from tests.helpers import REPO, clean_env
 

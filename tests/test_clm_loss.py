@@ -16,8 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from app.losses import causal_lm_loss, chunk_rows
-from app.model import (CAUSAL_SDPA, CausalLossGPT2LMHeadModel, LossHead, build_config,
-                       build_model)
+from app.model import CAUSAL_SDPA, CausalLossGPT2LMHeadModel, LossHead, build_config, build_model
 from tests.helpers import REPO, TINY, check, launch, python, run_app, train_losses
 
 

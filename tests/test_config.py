@@ -16,8 +16,13 @@ from app.data.loader import OBJECTIVES
 from app.data.packing import PACKINGS
 from app.faults.anomaly import POLICIES
 from app.runtime.device import PRECISIONS, Device, resolve_precision
-from app.runtime.ds_config import (CONFIG_DIR, fill_auto, load_ds_config, settle_precision,
-                                   zero_stage)
+from app.runtime.ds_config import (
+    CONFIG_DIR,
+    fill_auto,
+    load_ds_config,
+    settle_precision,
+    zero_stage,
+)
 from app.schedule import DECAYS
 from app.settle import batch_geometry
 from data_tools.cli import field_docs

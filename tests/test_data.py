@@ -7,16 +7,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import deepspeed_script
 
-from app.data.loader import (BatchLayout, DataSpec, TokenWindows, build_eval_loader,
-                             build_train_loader, dataset_stats, default_num_workers)
+from app.data.loader import (
+    BatchLayout,
+    DataSpec,
+    TokenWindows,
+    build_eval_loader,
+    build_train_loader,
+    dataset_stats,
+    default_num_workers,
+)
 from app.data.masking import IGNORE_INDEX
 from app.data.order import Permutation
 from data_tools.errors import UserError
 from data_tools.indexed import ShardWriter, token_dtype
-from data_tools.manifest import (FORMAT, FORMAT_VERSION, file_checksum, load_manifest,
-                                 write_manifest)
-from helpers import deepspeed_script
+from data_tools.manifest import FORMAT, FORMAT_VERSION, file_checksum, load_manifest, write_manifest
 
 VOCAB = 500
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
@@ -476,7 +482,8 @@ def test_sentence_split_shards_from_deepspeeds_builder(tmp_path):
     """Megatron/DeepSpeed datasets may store a document as several sequences (one per sentence):
     doc packing follows doc_idx, concat reads the same token stream."""
     from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import (
-        MMapIndexedDatasetBuilder)
+        MMapIndexedDatasetBuilder,
+    )
 
     rng = np.random.default_rng(5)
     docs = [[rng.integers(5, VOCAB, size=int(rng.integers(1, 6))).tolist() for _ in range(k)]

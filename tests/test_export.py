@@ -5,8 +5,7 @@ import json
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer,
-                          pipeline)
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer, pipeline
 
 from app.__main__ import main as app_main
 from tests.helpers import TINY, check, run_app

@@ -6,11 +6,10 @@ import pytest
 import torch
 from transformers import BertConfig
 
+from app.model import PRESETS, build_config, build_model
 from app.telemetry import hardware
 from app.telemetry.flops import ModelShape, flops_breakdown, flops_per_token, head_fraction, mfu
-from app.model import PRESETS, build_config, build_model
 from data_tools.errors import UserError
-
 
 BLOCKS = ("BertLayer", "RobertaLayer", "ModernBertEncoderLayer", "GPT2Block", "LlamaDecoderLayer")
 

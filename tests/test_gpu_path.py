@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.runtime.device import Device, attention_implementation, set_cpu_threads
 from app.model import build_config, build_model, layer_blocks, optimizer_groups
+from app.runtime.device import Device, attention_implementation, set_cpu_threads
 from app.runtime.overlap import block_starts
 from app.trainer import token_sums
 from tests.helpers import REPO, TINY, check, clean_env, remanifest, run_app

@@ -26,8 +26,18 @@ import pytest
 
 from app.__main__ import main as app_main
 from data_tools.__main__ import main as data_tools_main
-from tests.helpers import (NO_CAPS, REPO, TINY, check, clean_env, error_lines, remanifest, run_app,
-                           snapshot, tmpfs)
+from tests.helpers import (
+    NO_CAPS,
+    REPO,
+    TINY,
+    check,
+    clean_env,
+    error_lines,
+    remanifest,
+    run_app,
+    snapshot,
+    tmpfs,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,16 @@ import struct
 import numpy as np
 import pytest
 
-from data_tools.indexed import (HEADER_BYTES, MAGIC, FormatError, IndexedShard, ShardWriter,
-                                bin_path, idx_path, token_dtype)
+from data_tools.indexed import (
+    HEADER_BYTES,
+    MAGIC,
+    FormatError,
+    IndexedShard,
+    ShardWriter,
+    bin_path,
+    idx_path,
+    token_dtype,
+)
 
 
 def _docs(seed: int, n: int, high: int) -> list[np.ndarray]:

@@ -11,12 +11,18 @@ import pytest
 import torch
 
 from app.__main__ import main as app_main
-from app.data.loader import (DataSpec, MixedWindows, MixtureSpec, TokenWindows, batch_samples,
-                      build_train_loader, dataset_stats)
+from app.data.loader import (
+    DataSpec,
+    MixedWindows,
+    MixtureSpec,
+    TokenWindows,
+    batch_samples,
+    build_train_loader,
+    dataset_stats,
+)
 from app.data.mixture import Mixture, quantise, source_seed
 from tests.conftest import run_data_tools
 from tests.helpers import TINY, check, launch, metrics, run_app, snapshot, train_losses
-
 
 # -- the math --------------------------------------------------------------------------------
 

@@ -2,8 +2,16 @@
 import pytest
 import torch
 
-from app.model import (PRESETS, build_config, build_model, config_from_dict, count_parameters,
-                       max_positions, objective_of, parse_overrides)
+from app.model import (
+    PRESETS,
+    build_config,
+    build_model,
+    config_from_dict,
+    count_parameters,
+    max_positions,
+    objective_of,
+    parse_overrides,
+)
 from data_tools.errors import UserError
 
 SPECIAL = {"pad_token_id": 0}

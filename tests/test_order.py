@@ -6,8 +6,13 @@ import itertools
 import numpy as np
 import pytest
 
-from app.data.order import (Permutation, check_batch_geometry, eval_positions, rank_positions,
-                       rank_slice)
+from app.data.order import (
+    Permutation,
+    check_batch_geometry,
+    eval_positions,
+    rank_positions,
+    rank_slice,
+)
 from data_tools.errors import UserError
 
 # 1, 2, primes, powers of 2 and 4, and sizes far below their Feistel domain (cycle-walking)

@@ -13,21 +13,32 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import check, deepspeed_script, run_app, train_losses
+from test_data import CLS, PAD, SEP, random_docs, write_dataset
 from transformers import AttentionInterface
 
 from app.data import packing
-from app.data.loader import (DataSpec, MixtureSpec, TokenWindows, build_eval_loader,
-                             build_train_loader, dataset_stats)
+from app.data.loader import (
+    DataSpec,
+    MixtureSpec,
+    TokenWindows,
+    build_eval_loader,
+    build_train_loader,
+    dataset_stats,
+)
 from app.data.masking import IGNORE_INDEX
-from app.model import (build_config, build_model, check_packed_attention, document_attention,
-                       varlen_kwargs)
+from app.model import (
+    build_config,
+    build_model,
+    check_packed_attention,
+    document_attention,
+    varlen_kwargs,
+)
 from app.settle import Phase, settle_schedule
 from app.telemetry import figures as telemetry
 from app.telemetry import flops
 from app.trainer import real_tokens, token_sums
 from data_tools.errors import UserError
-from helpers import check, deepspeed_script, run_app, train_losses
-from test_data import CLS, PAD, SEP, random_docs, write_dataset
 
 SEQ = 64
 

@@ -2,7 +2,6 @@
 on a real engine in a process of its own (a world of one, DeepSpeed's CPU accelerator)."""
 from __future__ import annotations
 
-
 import pytest
 
 from tests.helpers import clean_env, free_port, python
@@ -79,7 +78,8 @@ def train(engine, steps):
         engine.step()
 
 mine, theirs = build(), build()
-assert mine.optimizer._update_model_bit16_weights.__func__.__name__ == "_relink_moved", "not patched"
+relinked = mine.optimizer._update_model_bit16_weights.__func__.__name__
+assert relinked == "_relink_moved", "not patched"
 theirs.optimizer._update_model_bit16_weights = types.MethodType(
     DeepSpeedZeroOptimizer._update_model_bit16_weights, theirs.optimizer)
 train(mine, 3)

@@ -13,16 +13,30 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
-                                           estimate_zero3_model_states_mem_needs_all_cold)
-from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
-                                                  estimate_zero2_model_states_mem_needs_all_cold)
+from deepspeed.runtime.zero.stage3 import (
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+)
+from deepspeed.runtime.zero.stage_1_and_2 import (
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero2_model_states_mem_needs_all_cold,
+)
 
 from app.__main__ import main
-from app.plan.memory import (CPU, GiB, Workload, ZeroSetup, activation_bytes, calibrate_runtime,
-                        host_bytes_per_node, max_micro_batch, model_state_bytes, plan_memory,
-                        zero3_working_set)
 from app.model import PRESETS, build_config, build_model
+from app.plan.memory import (
+    CPU,
+    GiB,
+    Workload,
+    ZeroSetup,
+    activation_bytes,
+    calibrate_runtime,
+    host_bytes_per_node,
+    max_micro_batch,
+    model_state_bytes,
+    plan_memory,
+    zero3_working_set,
+)
 from app.plan.planner import PlanRequest, describe_model, dropout_flags, make_plan, zero_setups
 from data_tools.manifest import load_manifest
 from tests.helpers import REPO, check, clean_env, launch, metrics

@@ -20,8 +20,14 @@ from tokenizers import Tokenizer
 
 from data_tools.__main__ import main as data_tools_main
 from data_tools.indexed import IndexedShard
-from data_tools.manifest import (MANIFEST, dataset_fingerprint, file_checksum, load_manifest,
-                                 shard_prefixes, tokenizer_fingerprint)
+from data_tools.manifest import (
+    MANIFEST,
+    dataset_fingerprint,
+    file_checksum,
+    load_manifest,
+    shard_prefixes,
+    tokenizer_fingerprint,
+)
 from data_tools.prepare import is_val
 from tests.helpers import NO_CAPS, clean_env, default_sigint, tmpfs
 

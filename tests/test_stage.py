@@ -17,10 +17,22 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from data_tools.__main__ import main as data_tools_main
 from data_tools.errors import UserError
 from data_tools.indexed import IndexedShard, ShardWriter
-from data_tools.manifest import (MANIFEST, dataset_fingerprint, file_checksum, load_manifest,
-                                 tokenizer_fingerprint, write_manifest)
-from data_tools.stage import (BLOCK_BYTES, LOCK_NAME, STATE_NAME, check_free_space, partial_path,
-                              stage)
+from data_tools.manifest import (
+    MANIFEST,
+    dataset_fingerprint,
+    file_checksum,
+    load_manifest,
+    tokenizer_fingerprint,
+    write_manifest,
+)
+from data_tools.stage import (
+    BLOCK_BYTES,
+    LOCK_NAME,
+    STATE_NAME,
+    check_free_space,
+    partial_path,
+    stage,
+)
 from tests.helpers import tmpfs
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,8 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.runtime.device import (AUTO_ATTENTION, CpuShare, Device, _FLASH_PROBE, choose_attention,
-                                cpu_share_warning, device_ordinal, flash_attention_broken)
+from app.runtime.device import (
+    _FLASH_PROBE,
+    AUTO_ATTENTION,
+    CpuShare,
+    Device,
+    choose_attention,
+    cpu_share_warning,
+    device_ordinal,
+    flash_attention_broken,
+)
 from data_tools.errors import UserError
 from tests.helpers import REPO, TINY, check, clean_env, python, remanifest, run_app
 

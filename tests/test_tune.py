@@ -13,8 +13,13 @@ from pathlib import Path
 import pytest
 
 from app.plan.probe import group_pids, kill_group, rank_pids, remove_shm_buffers, run_probe
-from app.plan.tune import (SEARCH_TOLERANCE, fit_global_batch, next_micro_batch, pick_workers,
-                      train_flags)
+from app.plan.tune import (
+    SEARCH_TOLERANCE,
+    fit_global_batch,
+    next_micro_batch,
+    pick_workers,
+    train_flags,
+)
 from tests.helpers import REPO, check, clean_env, default_sigint, metrics, run_app
 from tests.test_plan import run_fresh
 

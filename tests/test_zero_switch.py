@@ -21,8 +21,16 @@ import pytest
 import torch
 
 from app.runtime.overlap import BLOCKS_ENV, PARTITION_BLOCKS, partition_blocks
-from tests.helpers import (REPO, check, clean_env, error_lines, free_port, launch, run_app,
-                           train_losses)
+from tests.helpers import (
+    REPO,
+    check,
+    clean_env,
+    error_lines,
+    free_port,
+    launch,
+    run_app,
+    train_losses,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 

@@ -49,8 +49,7 @@ def preload() -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
     from deepspeed.accelerator import get_accelerator
-    from transformers import (BertForMaskedLM, GPT2LMHeadModel,  # noqa: F401
-                              RobertaForMaskedLM)
+    from transformers import BertForMaskedLM, GPT2LMHeadModel, RobertaForMaskedLM  # noqa: F401
 
     import app.__main__  # noqa: F401
     import app.build  # noqa: F401

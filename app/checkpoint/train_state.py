@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import Field
 
-from app.faults.anomaly import Cooldown
 from app.data.order import skip_ahead
+from app.faults.anomaly import Cooldown
 from data_tools.schema import NonNegativeInt, PositiveInt, Schema
 
 COUNTERS = ("step", "consumed_samples", "tokens_seen", "real_tokens_seen", "best_eval_loss",

@@ -4,11 +4,11 @@
 Each optimizer step, a rank's step loss is copied into a buffer on its device (one copy kernel:
 nothing waits for the device per step), and beside it the step's skip flag: 1 where the step's
 gradients were not finite and its update was not applied (app.runtime.step_guard, on the device;
-2 where DeepSpeed skipped it on the host outside fp16). At the log interval and before every save (so a
-checkpoint is only ever written after a clean check: every kept checkpoint predates any anomaly)
-the buffer comes to the host with the check point's other device values, in its one copy, and
-the rule runs there, step by step in order: a NaN or an infinity, or a spike (more than `z`
-standard deviations and `rise` above the mean of the recent history) marks the step. The marks
+2 where DeepSpeed skipped it on the host outside fp16). At the log interval and before every save
+(so a checkpoint is only ever written after a clean check: every kept checkpoint predates any
+anomaly) the buffer comes to the host with the check point's other device values, in its one
+copy, and the rule runs there, step by step in order: a NaN or an infinity, or a spike (more than
+`z` standard deviations and `rise` above the mean of the recent history) marks the step. The marks
 are gathered from every rank in the check point's one all-gather, and the earliest marked step
 decides. The policy then rolls back, skips or stops (app.faults.recovery). Judging at the check
 point reads the marks no later than judging each step on the device would.

@@ -5,9 +5,9 @@ app.checkpoint.store), so the training loop's source holds no test lines.
 
     DSPRETRAIN_TEST_SLOW_LOADER=RANK:SECONDS   that rank waits SECONDS more for every micro batch
                                                (a starved loader: telemetry must name the rank)
-    DSPRETRAIN_TEST_POISON=G:spike|nan|nangrad global batch G's loss is a spike, or NaN; or (nangrad)
-                                               one element of rank 0's gradient is NaN, the loss
-                                               finite (the step guard must skip the update)
+    DSPRETRAIN_TEST_POISON=G:KIND              KIND spike|nan: global batch G's loss is a spike, or
+                                               NaN; nangrad: one element of rank 0's gradient is
+                                               NaN, the loss finite (the step guard skips it)
     DSPRETRAIN_TEST_HANG=RANK:STEP             that rank hangs at that step (the watchdog)
     DSPRETRAIN_TEST_DIE_IN_SAVE=STEP           the process dies halfway through that step's save
     DSPRETRAIN_TEST_DAMAGE_SAVE=STEP           that step's first save is damaged once complete

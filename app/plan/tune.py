@@ -30,7 +30,7 @@ from typing import Any, Callable
 from app import config as config_mod
 from app.config import TrainConfig
 from app.data.sources import read_sources
-from app.plan.memory import CPU, GPU, GiB, ZeroSetup, Workload
+from app.plan.memory import CPU, GPU, GiB, Workload, ZeroSetup
 from app.plan.probe import ProbeResult, interrupt_on_term, remove_shm_buffers, run_probe
 from app.runtime.device import accelerator_memory_bytes, usable_cores
 from app.runtime.dist import free_port
@@ -443,8 +443,8 @@ def settings_from_args(args: argparse.Namespace, cpu: bool, model: str) -> TuneS
 
 def candidates(args: argparse.Namespace, settings: TuneSettings, hidden: int) -> list[Candidate]:
     """The setups to try: each --zero stage's ds_configs file, or the --ds-config file."""
-    from app.runtime.ds_config import load_ds_config, zero_config_path
     from app.plan.inputs import setup_from_ds
+    from app.runtime.ds_config import load_ds_config, zero_config_path
 
     if args.ds_config:
         path = Path(args.ds_config).resolve()
@@ -462,9 +462,9 @@ def candidates(args: argparse.Namespace, settings: TuneSettings, hidden: int) ->
 
 def planner_inputs(cfg: TrainConfig, ranks: int, cpu: bool):
     """(the model as the planner sees it, the workload of one rank) for the search's guess."""
-    from app.telemetry.flops import head_fraction
     from app.model import parse_overrides
     from app.plan.inputs import describe_model, dropout_flags
+    from app.telemetry.flops import head_fraction
     from data_tools.manifest import load_manifest
 
     manifest = load_manifest(cfg.data)

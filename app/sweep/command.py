@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import app
-from app.sweep import results as bench_results
-from app.sweep import configs as sweep
 from app.config import TrainConfig
 from app.plan.probe import interrupt_on_term, kill_tagged, remove_shm_buffers, run_probe
 from app.runtime.dist import free_port
+from app.sweep import configs as sweep
+from app.sweep import results as bench_results
 from app.sweep.configs import Config
 from data_tools import output
 from data_tools.errors import Parser, UserError

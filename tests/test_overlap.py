@@ -11,8 +11,17 @@ import pytest
 import torch
 
 from app.runtime.ds_config import fill_auto, load_ds_config, zero_config_path
-from app.runtime.overlap import (MIN_BUCKET_ELEMENTS, TRACE_ENV, FlatGroup, bucket_elements,
-                                 buckets_in_backward_order, partition_buckets)
+from app.runtime.overlap import (
+    MIN_BUCKET_ELEMENTS,
+    MIN_PIECE_BYTES,
+    TRACE_ENV,
+    FlatGroup,
+    bucket_elements,
+    buckets_in_backward_order,
+    packs,
+    partition_buckets,
+    piece_floor,
+)
 from data_tools.errors import UserError
 from tests.helpers import TINY, check, launch, metrics, train_losses, two_gloo_ranks
 
@@ -46,6 +55,92 @@ def test_partition_buckets_cut_every_partition_into_the_same_pieces():
     # b = elements 3..9: [3, 4) piece 0 of partition 0; [4, 6) piece 1; [6, 10) piece 0 of
     # partition 1, at 1 x piece length (4) in bucket 0
     assert segments[id(b)] == [(0, 0, 3, 0, 1), (1, 0, 0, 1, 2), (0, 1, 4, 3, 4)]
+
+
+# The app's 15 ZeRO-1/2 groups (8 layer blocks, each with and without weight decay:
+# app.model.optimizer_groups) of bert-120m (vocab 30,522) and of the netsim benchmark's model
+# (bert-tiny, hidden 256, 4 heads, intermediate 1,024, vocab 2,000: docs/benchmarks.md)
+BERT_120M = [23440896, 14155776, 413952, 14155776, 19968, 11796480, 16896, 11796480, 17664,
+             11796480, 15360, 11796480, 16896, 10027008, 48186]
+NETSIM = [512000, 131072, 132352, 393216, 1280, 262144, 1024, 262144, 1536, 262144, 768, 262144,
+          1024, 65536, 3536]
+
+
+def _groups(sizes: list[int], world: int) -> list[FlatGroup]:
+    """Flat groups as DeepSpeed lays them out (the parameters back to back, the flat padded to
+    a multiple of 2 x world), each of three parameters (meta tensors: only sizes count)."""
+    out = []
+    for size in sizes:
+        thirds = [size // 3, size // 3, size - 2 * (size // 3)]
+        params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in thirds]
+        offsets = [0, thirds[0], thirds[0] + thirds[1]]
+        out.append(FlatGroup(params, offsets, size + (-size) % (2 * world)))
+    return out
+
+
+def _check_bijection(groups: list[FlatGroup], world: int, lengths: list[int],
+                     segments: dict) -> None:
+    """Every parameter element is in exactly one (bucket, partition, position), the position in
+    its partition's region of the bucket; no position holds two (by intervals: 110 M elements).
+    The position is where `bucket_pieces` puts that element of the group's partition."""
+    taken: dict[int, list[tuple[int, int]]] = {}
+    for group in groups:
+        part = group.numel // world
+        for p, offset in zip(group.params, group.offsets):
+            segs = sorted(segments[id(p)], key=lambda s: s.start)
+            assert segs[0].start == 0 and all(a.start + a.length == b.start
+                                              for a, b in zip(segs, segs[1:]))
+            assert segs[-1].start + segs[-1].length == p.numel()
+            for seg in segs:
+                base = seg.partition * lengths[seg.bucket]
+                assert base <= seg.at and seg.at + seg.length <= base + lengths[seg.bucket]
+                assert (offset + seg.start) // part == seg.partition  # the owner's partition
+                assert (offset + seg.start + seg.length - 1) // part == seg.partition
+                taken.setdefault(seg.bucket, []).append((seg.at, seg.at + seg.length))
+    for spans in taken.values():
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    held = sum(hi - lo for spans in taken.values() for lo, hi in spans)
+    assert held == sum(p.numel() for g in groups for p in g.params)
+
+
+def test_at_1024_ranks_the_buckets_pack_the_groups_above_the_floor():
+    """bert-120m's 15 groups at 1,024 ranks: its buckets' pieces would be 6,400 fp32 elements
+    (25.6 KB) a rank, 27 latency-bound rings; packed, no bucket moves less than the floor a rank
+    (one bucket: the whole share, 106,956 elements, is below two floors), and every element
+    still has exactly one place; at 128 ranks the share makes 13 buckets, each above it."""
+    floor = piece_floor(4)
+    assert floor * 4 == MIN_PIECE_BYTES
+    for world, buckets in ((1024, 1), (128, 13)):
+        groups = _groups(BERT_120M, world)
+        bucket = bucket_elements(sum(g.numel for g in groups))
+        assert packs(bucket, world, floor) and bucket // world < floor
+        unpacked, _ = partition_buckets(groups, world, bucket)
+        lengths, segments = partition_buckets(groups, world, bucket, floor)
+        assert len(unpacked) >= 27 and len(lengths) == buckets, (len(unpacked), len(lengths))
+        share = sum(g.numel // world for g in groups)
+        assert sum(lengths) == share and min(lengths) >= min(floor, share)
+        _check_bijection(groups, world, lengths, segments)
+    # a whole share below the floor: one bucket, all of it
+    tiny = _groups([300, 20, 700], 4)
+    lengths, segments = partition_buckets(tiny, 4, 64, floor)
+    assert lengths == [sum(g.numel // 4 for g in tiny)]
+    _check_bijection(tiny, 4, lengths, segments)
+
+
+def test_at_two_ranks_the_layout_is_the_unpacked_one():
+    """Where the pieces are above the floor (the netsim model at 2 ranks: 143,245 fp32 elements
+    a rank, 573 KB), the floor changes nothing: bucket (g, c) is piece c of group g, its last
+    piece and the small groups included (17 buckets)."""
+    groups = _groups(NETSIM, 2)
+    bucket = bucket_elements(sum(g.numel for g in groups))
+    piece = bucket // 2
+    assert piece == 143_245 and not packs(bucket, 2, piece_floor(4))
+    lengths, segments = partition_buckets(groups, 2, bucket, piece_floor(4))
+    assert lengths == [min(piece, g.numel // 2 - c) for g in groups
+                       for c in range(0, g.numel // 2, piece)]
+    assert len(lengths) == 17 and (lengths, segments) == partition_buckets(groups, 2, bucket)
+    _check_bijection(groups, 2, lengths, segments)
 
 
 @pytest.mark.parametrize("precision,flag,file_value,want", [
@@ -303,7 +398,7 @@ torch.manual_seed(0)
 emb, shared, head = torch.nn.Embedding(30, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
 order = [*emb.parameters(), *shared.parameters(), *head.parameters()]
 groups = []
-for params in (order[:2], order[2:]):  # as DeepSpeed: each group one flat buffer, padded
+for params in GROUPS:  # as DeepSpeed: each group one flat buffer, padded
     n = sum(p.numel() for p in params)
     flat = torch.zeros(n + (-n) % 4 + 2)  # padding to an even length, and 2 more
     at = 0
@@ -325,7 +420,11 @@ for w in want:
 for p in order:
     p.grad = None
 reducer = PartitionReducer(groups, order, group=None, world_size=2, comm_dtype=torch.float32,
-                           is_boundary=lambda: True, average=True, bucket_size=24)
+                           is_boundary=lambda: True, average=True, bucket_size=24,
+                           pairwise=PAIRWISE, min_piece=MIN_PIECE)
+group_of = {id(p): i for i, g in enumerate(groups) for p in g.params}
+spanning = [b for b, m in enumerate(reducer.members) if len({group_of[id(p)] for p, _ in m}) > 1]
+assert reducer.packed == bool(spanning) == (MIN_PIECE > 12), (reducer.lengths, spanning)
 loss().backward()
 assert len(reducer.lengths) > 2 and reducer.stale, (reducer.lengths, reducer.stale)
 reducer.finish()
@@ -342,9 +441,17 @@ print("ok")
 """
 
 
-def test_the_partition_reducer_hands_each_rank_its_averaged_partition():
-    """PartitionReducer with two real ranks over gloo (its pairwise exchange): parameters that
-    span pieces, partitions and padded flat groups, one accumulated twice in a backward (its
-    buckets resent whole): each rank's partition of every gradient is the all-reduced average,
-    bit for bit."""
-    two_gloo_ranks(SCATTER)
+@pytest.mark.parametrize("pairwise", [True, False], ids=["pairwise", "reduce_scatter_tensor"])
+@pytest.mark.parametrize("packed", [False, True], ids=["by-group", "packed"])
+def test_the_partition_reducer_hands_each_rank_its_averaged_partition(pairwise, packed):
+    """PartitionReducer with two real ranks over gloo (its pairwise exchange, or torch's
+    reduce_scatter_tensor: the NCCL branch's code): parameters that span pieces, partitions
+    and padded flat groups, one accumulated twice in a backward (its buckets resent whole):
+    each rank's partition of every gradient is the all-reduced average, bit for bit. Packed:
+    pieces of 12 a rank under a floor of 40, so the partitions of three groups (shared's
+    weight, 33 a rank; the small ones, 11; the embedding, 121) run together in four buckets of
+    41-42, two spanning groups; the first, without the embedding, is sent before `shared`'s
+    second accumulation and resent."""
+    groups = "([order[1]], order[2:], [order[0]])" if packed else "(order[:2], order[2:])"
+    two_gloo_ranks(SCATTER.replace("GROUPS", groups).replace("PAIRWISE", str(pairwise))
+                   .replace("MIN_PIECE", "40" if packed else "1"))

@@ -8,10 +8,24 @@ import pytest
 
 from app.__main__ import main
 from app.plan import network
-from app.runtime.overlap import BLOCKS_ENV
-from app.plan.network import (Collective, Grad, Link, Overlap, collective_ms, collectives,
-                              exposed_ms, forward_stall, node_bytes, node_counts,
-                              partition_pieces, pipeline_exposed, predict_step, uniform_layout)
+from app.plan.network import (
+    Collective,
+    Grad,
+    Link,
+    Overlap,
+    collective_ms,
+    collectives,
+    exposed_ms,
+    forward_stall,
+    node_bytes,
+    node_counts,
+    partition_pieces,
+    pipeline_exposed,
+    predict_step,
+    uniform_layout,
+)
+from app.runtime import overlap
+from app.runtime.overlap import BLOCKS_ENV, MIN_PIECE_BYTES
 
 P = 1_000  # a small model: every byte counted by hand below
 NONE, BOTH = Overlap(False, False), Overlap(True, True)
@@ -176,6 +190,40 @@ def job(**kw) -> dict:
     args = dict(params=110_000_000, nodes=2, net_gbps=25, compute_ms=140.8, stage=0,
                 precision="fp32")
     return predict_step(**{**args, **kw})
+
+
+def test_at_1024_ranks_the_plan_packs_the_calls_as_the_runtime_does(capsys, monkeypatch):
+    """bert-120m at 128 nodes of 8: the reducer's buckets would cut pieces of 6,400 elements a
+    rank, so the plan, as the runtime (app.runtime.overlap.packs), packs them: a handful of
+    reduce-scatter calls, each moving at least MIN_PIECE_BYTES a rank, and the weight gather's
+    bf16 share (214 KB a rank, below the floor) in one chunk. At 2 nodes nothing packs."""
+    job = network.Job(stage=1, params=109_514_298, per_node=8, link=Link(25, 30, 3600, 2),
+                      compute_ms=100.0, precision="bf16", comm_dtype="fp32")
+    scatter, gather = job.collectives(1024)
+    calls = network.schedule(scatter, 1024)
+    assert scatter.kind == "reduce-scatter" and 1 <= len(calls) == scatter.buckets <= 4
+    assert all(share * scatter.nbytes / 1024 >= MIN_PIECE_BYTES for share, _, _ in calls)
+    assert sum(share for share, _, _ in calls) == pytest.approx(1)
+    assert gather.kind == "all-gather" and gather.buckets == 1
+    assert gather.nbytes / 1024 < MIN_PIECE_BYTES
+    unpacked = job.collectives()  # sized by the reducer's bucket alone, as before the floor
+    assert unpacked[0].buckets >= 16 and unpacked[1].buckets == 8
+    assert [c.buckets for c in job.collectives(16)] == [c.buckets for c in unpacked]
+    # `app plan` with bert-120m's own layout: the same counts, and a faster step at 25 Gb/s
+    # (MIN_PIECE_BYTES: 319.1 ms a step unpacked, 231.5 packed)
+    args = ["plan", "--model", "bert-120m", "--seq-len", "512", "--micro-batch", "16", "--gpus",
+            "1024", "--gpus-per-node", "8", "--gpu", "H100-SXM", "--nodes", "128", "--net-gbps",
+            "25"]
+    z1 = plan_json(capsys, *args)["stages"][1]["network"]
+    calls = {c["kind"]: c for c in z1["collectives"]}
+    assert calls["reduce-scatter"]["buckets"] <= 4 and calls["all-gather"]["buckets"] == 1
+    assert calls["reduce-scatter"]["bytes"] / calls["reduce-scatter"]["buckets"] / 1024 \
+        >= MIN_PIECE_BYTES
+    monkeypatch.setattr(overlap, "MIN_PIECE_BYTES", 1)  # no floor: the reducer's pieces
+    before = plan_json(capsys, *args)["stages"][1]["network"]
+    assert {c["kind"]: c["buckets"] for c in before["collectives"]} == {
+        "reduce-scatter": 20, "all-gather": 8}
+    assert z1["step_ms"] < 0.8 * before["step_ms"]
 
 
 def test_the_issues_two_node_regime():

@@ -13,10 +13,11 @@ does it with this repo's ds_configs (read from `engine.py`, `stage_1_and_2.py`, 
                   reduces after backward, `buffered_allreduce_fallback`)
     ZeRO-1        a reduce-scatter of the gradients (c x P) into each rank's partition during
                   backward, in buckets of equal pieces of every partition (the app's
-                  PartitionReducer: NCCL's reduce-scatter, pairwise isend/irecv over gloo;
-                  DeepSpeed's own reduction becomes a local copy), then an all-gather of the
-                  updated weights (w x P), launched by the step and waited for, chunk by chunk,
-                  during the next forward (app/runtime/gather.py)
+                  PartitionReducer, packed at least MIN_PIECE_BYTES a rank where the world
+                  would cut them smaller: `sized_calls`; NCCL's reduce-scatter, pairwise
+                  isend/irecv over gloo; DeepSpeed's own reduction becomes a local copy), then
+                  an all-gather of the updated weights (w x P), launched by the step and waited
+                  for, chunk by chunk, during the next forward (app/runtime/gather.py)
     ZeRO-1 bf16   the same bytes: the reducer sends BF16_Optimizer's fp32 gradient buffer in c
                   during backward, then the bf16 weights are all-gathered in the next forward
     ZeRO-2        the bucketed all-reduce every micro step (the gradients are partitioned as
@@ -62,8 +63,16 @@ from dataclasses import dataclass, field, replace
 from math import ceil
 from typing import Any, NamedTuple
 
+from app.runtime.overlap import (
+    block_starts,
+    bucket_elements,
+    bucket_pieces,
+    gather_chunks,
+    packs,
+    partition_blocks,
+    piece_floor,
+)
 from data_tools.errors import UserError
-from app.runtime.overlap import block_starts, bucket_elements, partition_blocks
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BACKWARD_FRACTION = 2 / 3
@@ -116,7 +125,9 @@ class Overlap(NamedTuple):
 # holding the whole model cut to the reducer's size); its weights gathered as ZeRO-1's. ZeRO-3 is
 # DeepSpeed's: on the CPU accelerator its side streams are no-ops, so nothing overlaps there.
 PIECES = -1
-"""`scatter_pieces` / `gather_chunks` placeholder: as many as the app's reducer has buckets."""
+"""`scatter_pieces` / `gather_chunks` placeholder: as many as the app's reducer has buckets, or
+at a world that makes those latency-bound, the buckets and chunks the runtime packs there
+(`sized_calls`)."""
 OVERLAPPED: dict[tuple[str, str], Overlap] = {
     ("zero0", "gpu"): Overlap(True, False),  # the app's reducer, during backward
     ("zero0", "cpu"): Overlap(True, False),
@@ -259,6 +270,10 @@ class Collective:
     time_factor: float = 1.0
     """Its link time over what its bytes take (measured where the path costs more than its
     bytes: ZERO2_GLOO_TIME); the bytes sent are not changed."""
+    spans: tuple[tuple[tuple[int, int, int], ...], ...] = ()
+    """Packed (`sized_calls`): each call's pieces of every rank's partition of the blocks,
+    (block, start, length) in elements a rank, as the runtime cuts them at the world the
+    collectives were sized for; (): `pieces` equal pieces a block."""
 
 
 class Grad(NamedTuple):
@@ -282,11 +297,15 @@ def collectives(stage: int, params: int, *, comm_bytes: int, weight_bytes: int,
                 overlap: Overlap, reduce_bucket: int, allgather_bucket: int,
                 prefetch_bucket: int = 50_000_000, allreduce_bucket: int = ALLREDUCE_BUCKET,
                 zero3_gathers: int = 2, layout: tuple[Grad, ...] = (),
-                gloo: bool = False, blocks: int = 1) -> list[Collective]:
+                gloo: bool = False, blocks: int = 1, world: int = 0,
+                reducer_bucket: int = 0) -> list[Collective]:
     """What one optimizer step sends at `stage` (module docstring); bucket sizes in elements.
     `layout`: the parameters in backward order (default: spread evenly); `gloo`: gloo's
     reduce-scatter, which moves an all-reduce's bytes (measured: docs/plan.md); `blocks`:
-    ZeRO-1/2's layer blocks (Collective.blocks)."""
+    ZeRO-1/2's layer blocks (Collective.blocks); `world`, `reducer_bucket`: the ranks and the
+    app reducer's bucket that `overlap`'s PIECES are sized for (`sized_calls`: the reducer's
+    bucket count, or at a world that makes those latency-bound, the runtime's packed buckets
+    and chunks)."""
     lay = layout or uniform_layout(params)
 
     def n(bucket: int) -> int:  # calls, as the parameters are cut into buckets
@@ -301,20 +320,27 @@ def collectives(stage: int, params: int, *, comm_bytes: int, weight_bytes: int,
         def calls(k: int, per_block: int | None = None) -> int:  # of partition pieces
             return len(partition_pieces(lay, 1, k, blocks, per_block))
 
-        k = overlap.scatter_pieces
+        def sized(k: int, element_bytes: int, gather: bool) -> tuple[int, tuple]:
+            if k != PIECES:
+                return k, ()
+            spans = sized_calls(lay, world, blocks, reducer_bucket, element_bytes, gather)
+            return (len(spans) or ceil(params / max(reducer_bucket, 1))), spans
+
+        k, spans = sized(overlap.scatter_pieces, comm_bytes, False)
         # the app's reduce-scatter: NCCL's, or pairwise isend/irecv over gloo (one pass)
         # ZeRO-2: DeepSpeed's buckets (backward order), each slice reduced to its owner: on
         # gloo sent point to point (app/runtime/zero2_overlap.py), a reduce-scatter's bytes
-        reduce = (Collective("reduce-scatter", "gradients", grads, calls(k), stage == 2,
-                             "backward", overlap.reduce, lay, 0, k, blocks=blocks) if k else
+        reduce = (Collective("reduce-scatter", "gradients", grads, len(spans) or calls(k),
+                             stage == 2, "backward", overlap.reduce, lay, 0, k, blocks=blocks,
+                             spans=spans) if k else
                   Collective("reduce-scatter" if gloo and overlap.reduce else "all-reduce",
                              "gradients", grads, n(reduce_bucket), stage == 2, "backward",
                              overlap.reduce, lay, reduce_bucket,
                              time_factor=ZERO2_GLOO_TIME if gloo and overlap.reduce else 1.0))
-        k = overlap.gather_chunks
+        k, spans = sized(overlap.gather_chunks, weight_bytes, True)
         gather = (Collective("all-gather", "weights", weights,
-                             calls(k, 1 if blocks > 1 else None), False, "forward", True, lay,
-                             0, k, blocks=blocks) if k else
+                             len(spans) or calls(k, 1 if blocks > 1 else None), False,
+                             "forward", True, lay, 0, k, blocks=blocks, spans=spans) if k else
                   Collective("all-gather", "weights", weights, n(allgather_bucket), False,
                              "step", overlap.gather))
         return [reduce, gather]
@@ -395,6 +421,64 @@ def partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int, blocks: 
     return out
 
 
+def _block_parts(layout: tuple[Grad, ...], world: int, blocks: int
+                 ) -> tuple[list[int], list[Grad], list[int], list[int], list[int]]:
+    """The flat buffer's starts and parameters (`_spans`), and each layer block's start, size
+    and per-rank partition (its size over `world`, rounded up: DeepSpeed pads a flat group at
+    its end)."""
+    starts, flat = _spans(layout)
+    runs = block_starts([g.elements for g in flat], max(blocks, 1)) + [len(flat)]
+    los = [starts[a] for a in runs[:-1]]
+    sizes = [starts[b] - starts[a] for a, b in zip(runs, runs[1:])]
+    return starts, flat, los, sizes, [-(-size // world) for size in sizes]
+
+
+def sized_calls(layout: tuple[Grad, ...], world: int, blocks: int, bucket: int,
+                element_bytes: int, gather: bool = False) -> tuple[tuple[tuple[int, int, int],
+                                                                         ...], ...]:
+    """The app's calls at `world` ranks where the runtime packs them (app.runtime.overlap.packs:
+    the reducer's pieces, `bucket // world` elements a rank, below MIN_PIECE_BYTES of
+    `element_bytes`), by the runtime's own sizing: the reducer's buckets (`bucket_pieces`) or
+    the gather's chunks (`gather_chunks`, each whole blocks; one block: chunk c piece c of the
+    partition, at least the floor a rank), over the layer blocks' partitions, as
+    Collective.spans. () where the world does not pack them (the reducer's bucket count spread
+    over the blocks then: `partition_pieces`). The plan's blocks stand for the runtime's
+    optimizer groups (a block's weight-decay and no-decay groups, one flat here)."""
+    floor = piece_floor(element_bytes)
+    if world <= 1 or not bucket or not packs(bucket, world, floor):
+        return ()
+    *_, parts = _block_parts(layout, world, blocks)
+    if not gather:
+        return tuple(tuple(b) for b in bucket_pieces(parts, world, bucket, floor))
+    if blocks > 1:
+        return tuple(tuple((g, 0, parts[g]) for g in gs) for gs in gather_chunks(parts, floor))
+    k = max(1, min(ceil(sum(parts) * world / bucket), parts[0] // floor))  # app.runtime.gather
+    size = -(-parts[0] // k)
+    return tuple(((0, start, min(size, parts[0] - start)),)
+                 for start in range(0, parts[0], size))
+
+
+def span_pieces(layout: tuple[Grad, ...], world: int, blocks: int,
+                spans: tuple[tuple[tuple[int, int, int], ...], ...]
+                ) -> list[tuple[float, float, float]]:
+    """`partition_pieces` for calls given as spans (Collective.spans: the pieces of every
+    rank's partition of the blocks each call holds): [(share, ready, needed)]."""
+    starts, flat, los, sizes, parts = _block_parts(layout, world, blocks)
+    total, out = sum(parts) or 1, []
+    for call in spans:
+        members = []
+        for block, start, length in call:
+            for r in range(world):
+                lo = los[block] + r * parts[block] + start
+                hi = min(lo + length, los[block] + sizes[block])
+                if lo < hi:
+                    members += _touching(starts, flat, lo, hi)
+        out.append((sum(n for _, _, n in call) / total,
+                    max((g.ready for g in members), default=0.0),
+                    min((g.needed for g in members), default=1.0)))
+    return out
+
+
 def cut_buckets(layout: tuple[Grad, ...], size: int) -> list[tuple[float, float, float]]:
     """Buckets of about `size` elements in backward order, as app/runtime/overlap.py cuts them
     (a parameter larger than a bucket is one alone): [(share, ready, needed)]."""
@@ -413,6 +497,8 @@ def cut_buckets(layout: tuple[Grad, ...], size: int) -> list[tuple[float, float,
 
 def schedule(c: Collective, world: int) -> list[tuple[float, float, float]]:
     """`c`'s calls in the order they are launched: [(share of its bytes, ready, needed)]."""
+    if c.spans:  # packed, as the runtime packs them at the world they were sized for
+        return span_pieces(c.layout, world, c.blocks, c.spans)
     if c.pieces:  # the weight gather by layer blocks: a chunk a group (app.runtime.gather)
         per_block = 1 if c.blocks > 1 and c.kind == "all-gather" else None
         return partition_pieces(c.layout, world, c.pieces, c.blocks, per_block)
@@ -607,7 +693,10 @@ class Job:
         if (self.comm_dtype or self.precision) not in DTYPE_BYTES:
             raise UserError(f"--comm-dtype {self.comm_dtype}: expected fp32, bf16 or fp16")
 
-    def collectives(self) -> list[Collective]:
+    def collectives(self, world: int = 0) -> list[Collective]:
+        """The step's collectives, the app's buckets and chunks sized as the runtime sizes them
+        at `world` ranks (0: by the reducer's bucket alone, as at a world that does not pack
+        them; the bytes are the same)."""
         overlap = self.overlap or overlap_of(self.stage, self.precision, self.device)
         b = {"reduce_bucket": 500_000_000, "allgather_bucket": 500_000_000, **self.buckets}
         path = path_of(self.stage, self.precision)
@@ -619,19 +708,18 @@ class Job:
             b["reduce_bucket"] = reducer
         elif path == "zero1-bf16":  # the engine's fallback reduces
             b["reduce_bucket"] = b.get("allreduce_bucket", ALLREDUCE_BUCKET)
-        pieces = ceil(self.params / reducer)  # the reducer's buckets, the gather's chunks
-        overlap = overlap._replace(
-            scatter_pieces=pieces if overlap.scatter_pieces == PIECES else overlap.scatter_pieces,
-            gather_chunks=pieces if overlap.gather_chunks == PIECES else overlap.gather_chunks)
+        # PIECES: the reducer's buckets, the gather's chunks, sized by `collectives` at `world`
         return collectives(self.stage, self.params,
                            comm_bytes=DTYPE_BYTES[self.comm_dtype or self.precision],
                            weight_bytes=DTYPE_BYTES[self.precision], overlap=overlap,
                            zero3_gathers=self.zero3_gathers, layout=self.layout,
-                           gloo=self.device == "cpu", blocks=partition_blocks(self.stage), **b)
+                           gloo=self.device == "cpu", blocks=partition_blocks(self.stage),
+                           world=world, reducer_bucket=reducer, **b)
 
     def at(self, nodes: int) -> StepTime:
-        return step_time(self.collectives(), nodes, self.per_node, self.link, self.compute_ms,
-                         self.grad_accum, self.backward_fraction, self.step_ms, self.forward_ms)
+        return step_time(self.collectives(nodes * self.per_node), nodes, self.per_node,
+                         self.link, self.compute_ms, self.grad_accum, self.backward_fraction,
+                         self.step_ms, self.forward_ms)
 
     def scaling(self, nodes: int, tokens_per_step_per_device: int) -> list[dict[str, Any]]:
         """tokens/s and efficiency (tokens/s per device against one node's) at 1, 2, 4 ... N."""
@@ -671,5 +759,5 @@ def predict_step(*, params: int, nodes: int, net_gbps: float, compute_ms: float,
     t, one = job.at(nodes), job.at(1)
     return {"comm_ms": t.comm_ms, "exposed_comm_ms": t.exposed_comm_ms, "step_ms": t.step_ms,
             "compute_ms": t.compute_ms, "efficiency": one.step_ms / t.step_ms,
-            "node_bytes": node_bytes(job.collectives(), nodes, grad_accum),
+            "node_bytes": node_bytes(job.collectives(nodes * gpus_per_node), nodes, grad_accum),
             "path": path_of(stage, precision), "collectives": t.parts}

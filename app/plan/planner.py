@@ -19,11 +19,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.plan import network
+from app.plan.inputs import ModelInfo, describe_model, dropout_flags, setup_ds, zero_setups
+from app.plan.memory import (
+    GPU,
+    OPTIMIZER_STATE_BYTES,
+    DeviceProfile,
+    GiB,
+    MemoryPlan,
+    Workload,
+    ZeroSetup,
+    max_micro_batch,
+    plan_memory,
+)
 from app.telemetry import hardware
 from app.telemetry.flops import flops_per_token, head_fraction
-from app.plan.inputs import ModelInfo, describe_model, dropout_flags, setup_ds, zero_setups
-from app.plan.memory import (GPU, GiB, OPTIMIZER_STATE_BYTES, DeviceProfile, MemoryPlan,
-                             Workload, ZeroSetup, max_micro_batch, plan_memory)
 from data_tools.errors import UserError
 
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal tokens per parameter
@@ -377,7 +386,8 @@ def plan_network(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, stage: Sta
     rows = (job.scaling(net.nodes, stage.micro_batch * req.grad_accum * req.seq_len)
             if compute is not None else [])
     return StageNetwork(job, dtype, job.at(net.nodes), compute is not None, rows,
-                        network.node_bytes(job.collectives(), net.nodes, req.grad_accum))
+                        network.node_bytes(job.collectives(net.nodes * req.per_node), net.nodes,
+                                           req.grad_accum))
 
 
 _LAYOUTS: dict[tuple[str, float], tuple[network.Grad, ...]] = {}

@@ -22,6 +22,18 @@ launched in group order: forward finds block b's weights in once b's chunks are,
 number of ranks (with one group for the model, forward's first layers wait for a piece of every
 partition).
 
+At a world where the groups' partitions are latency-bound (app.runtime.overlap.packs: the
+reducer's pieces below MIN_PIECE_BYTES; bert-120m's 15 groups at 1,024 ranks hold 16-22,892
+bf16 elements a rank, 32 B-45 KB), consecutive groups are packed into one chunk until it holds
+MIN_PIECE_BYTES a rank (`gather_chunks`), and a chunk of several groups is ONE collective: each
+rank copies its partitions of them into a staging buffer, one all-gather fills every rank's row
+of it, and the wait copies the rows out into the groups' flat buffers (one strided copy a
+group). Grouping alone would not do: each group is its own flat buffer, so its own call. Nor
+would handing the step back to DeepSpeed: its `all_gather_dp_groups` (deepspeed/runtime/utils.py,
+0.19.8) runs `all_gather_into_tensor` once per group too, blocking, so it keeps the 15 calls and
+loses the overlap. The staging buffer is the chunk's groups' flat size, as the list all-gather's
+own staging buffer is (below), and is let go at the wait.
+
 On gloo a chunk is sent point to point (each rank its piece to every other, on the group's
 connections): gloo's own all-gather took 1.45x as long as that exchange (netsim `collectives`, 2
 nodes at 570 Mbit/s, 4.6 MB: 48.9 against 33.6 ms). NCCL runs its all-gather.
@@ -48,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from app.runtime import registry
-from app.runtime.overlap import bucket_elements, partition_blocks
+from app.runtime.overlap import bucket_elements, gather_chunks, packs, partition_blocks, piece_floor
 
 # Test instrumentation (tests/test_param_gather.py, bench/overlap_timeline.py): a file each rank
 # appends its gather's events to. (DeepSpeed's own gather instead: --deepspeed-patches
@@ -71,13 +83,16 @@ class ParamGather:
     """The chunked, asynchronous all-gather of one optimizer's flat weight buffers (module
     docstring). `flats`: the flat buffers; `partitions`: each one's per-rank views; `groups`:
     each one's data-parallel process group; `chunks`: how many (default: about one of the
-    gradient reducer's buckets each); `by_group`: chunk g is group g, whole (layer blocks);
-    `pairwise`: on gloo, point-to-point exchanges (registry patch gloo_pairwise), else the list
-    all-gather NCCL runs."""
+    gradient reducer's buckets each); `by_group`: chunk g is group g, whole (layer blocks), or
+    where the world makes those latency-bound, a run of consecutive groups; `pairwise`: on
+    gloo, point-to-point exchanges (registry patch gloo_pairwise), else the all-gather NCCL
+    runs; `min_piece`: the least elements a rank a chunk should move (default: MIN_PIECE_BYTES
+    of the weights' dtype)."""
 
     def __init__(self, module: torch.nn.Module, flats: list[torch.Tensor],
                  partitions: list[list[torch.Tensor]], groups: list, alignment: int,
-                 chunks: int | None = None, by_group: bool = False, pairwise: bool = True):
+                 chunks: int | None = None, by_group: bool = False, pairwise: bool = True,
+                 min_piece: int | None = None):
         self.flats, self.partitions, self.groups = flats, partitions, groups
         self.rank = [dist.get_rank(group=g) for g in groups]
         # gloo: each rank sends its piece to every other rank (isend/irecv) rather than gloo's
@@ -87,21 +102,56 @@ class ParamGather:
                        for r in range(len(partitions[0]))] for g in groups]
         total = sum(f.numel() for f in flats)
         world = len(partitions[0])
+        self.world = world
         self.by_group = by_group
-        # a chunk about the size of one of the reducer's buckets (app.runtime.overlap)
-        self.chunks = len(flats) if by_group else \
-            chunks or max(1, min(max(p[0].numel() for p in partitions),
-                                 -(-total // bucket_elements(total))))
+        self.min_piece = piece_floor(flats[0].element_size()) if min_piece is None else min_piece
+        parts = [p[0].numel() for p in partitions]
+        # the world cuts the reducer's pieces below the floor: so it does the groups
+        self.packed = packs(bucket_elements(total), world, self.min_piece)
+        # chunk c's groups (by group); packed only where one collective can fill them all
+        self.chunk_groups = [[g] for g in range(len(flats))]
+        if by_group and self.packed and self._stageable():
+            self.chunk_groups = gather_chunks(parts, self.min_piece)
+        self.chunk_of = {g: c for c, gs in enumerate(self.chunk_groups) for g in gs}
+        # a chunk about the size of one of the reducer's buckets (app.runtime.overlap), at
+        # least the floor a rank where the world would cut it smaller
+        if not chunks and not by_group:
+            chunks = max(1, min(max(parts), -(-total // bucket_elements(total))))
+            if self.packed:
+                chunks = max(1, min(chunks, max(parts) // self.min_piece))
+        self.chunks: int = len(self.chunk_groups) if by_group else int(chunks or 1)
         self.sizes = [piece_elements(p[0].numel(), self.chunks, alignment) for p in partitions]
         self.works: list[list] = []  # per launched chunk: its collectives, until waited for
+        self.staged: dict[int, torch.Tensor] = {}  # a packed chunk's rows, until waited for
         self.done: set[int] = set()
         self.trace_path = os.environ.get(TRACE_ENV)
         self.events: list[tuple[str, int, float]] = []
-        self.world = world
         self._hooks = self._install_hooks(module)
+
+    def _stageable(self) -> bool:
+        """Whether groups can share a collective: one process group, dtype and device, and
+        each flat's partitions its consecutive slices from its start (DeepSpeed's layout), so
+        a group's rows are one strided view of its flat (`_rows`)."""
+        first = self.flats[0]
+        return all(g is self.groups[0] for g in self.groups) and all(
+            f.dtype == first.dtype and f.device == first.device
+            and all(q.data_ptr() == f.data_ptr() + r * part[0].numel() * f.element_size()
+                    and q.numel() == part[0].numel() for r, q in enumerate(part))
+            for f, part in zip(self.flats, self.partitions))
+
+    def _rows(self, g: int) -> torch.Tensor:
+        """Group g's flat as [rank, its partition]."""
+        width = self.partitions[g][0].numel()
+        return self.flats[g].narrow(0, 0, self.world * width).view(self.world, width)
 
     def describe(self) -> str:
         what = " (one a parameter group of a layer block)" if self.by_group else ""
+        if self.by_group and len(self.chunk_groups) < len(self.flats):
+            parts = [p[0].numel() for p in self.partitions]
+            what = (f" (the {len(self.flats)} parameter groups of the layer blocks, "
+                    f"{min(parts):,}-{max(parts):,} elements a rank, packed into runs of at "
+                    f"least {self.min_piece:,}, one all-gather each: at {self.world} ranks the "
+                    f"short ones alone would be latency-bound)")
         return f"the step's all-gather of the weights runs during the next forward, in " \
                f"{self.chunks} chunk(s){what} (each module waits for its own weights' chunks)"
 
@@ -109,13 +159,19 @@ class ParamGather:
 
     def pieces(self, g: int, c: int) -> list[torch.Tensor]:
         """Piece c of every partition of group g (empty when the partition is shorter; by
-        group: the whole partitions of group c)."""
+        group: the whole partitions where group g is in chunk c)."""
         part = self.partitions[g]
         if self.by_group:
-            return [p.narrow(0, 0, p.numel() if g == c else 0) for p in part]
+            return [p.narrow(0, 0, p.numel() if self.chunk_of[g] == c else 0) for p in part]
         start = min(c * self.sizes[g], part[0].numel())
         length = min(self.sizes[g], part[0].numel() - start)
         return [p.narrow(0, start, length) for p in part]
+
+    def chunks_stepped(self, groups_done: int) -> int:
+        """How many chunks, from the first, hold only groups before `groups_done` (by group:
+        the chunks an optimizer step that has stepped those groups can launch)."""
+        return sum(1 for gs in self.chunk_groups if gs[-1] < groups_done) if self.by_group \
+            else 0
 
     def launch(self) -> None:
         """Every chunk's all-gather not launched yet, in chunk order, without waiting."""
@@ -128,6 +184,10 @@ class ParamGather:
         if not self.works:
             self.done = set()
         for c in range(len(self.works), min(end, self.chunks)):
+            if self.by_group and len(self.chunk_groups[c]) > 1:
+                self.works.append(self._launch_staged(c))
+                self._event("launch", c)
+                continue
             works = []
             for g, group in enumerate(self.groups):
                 views = self.pieces(g, c)
@@ -147,15 +207,49 @@ class ParamGather:
             self.works.append(works)
             self._event("launch", c)
 
+    def _launch_staged(self, c: int) -> list:
+        """A chunk of several groups as one collective: this rank's partitions of them into its
+        row of a staging buffer, every rank's row gathered into it (`all_gather_into_tensor` in
+        place; on gloo, pairwise), copied out by `wait`."""
+        gs = self.chunk_groups[c]
+        g0, widths = gs[0], [self.partitions[g][0].numel() for g in gs]
+        group, me = self.groups[g0], self.rank[g0]
+        rows = torch.empty(self.world, sum(widths), dtype=self.flats[g0].dtype,
+                           device=self.flats[g0].device)
+        at = 0
+        with torch.no_grad():  # BF16_Optimizer's flats require grad (the collectives bypass it)
+            for g, width in zip(gs, widths):
+                rows[me].narrow(0, at, width).copy_(self.partitions[g][me])
+                at += width
+        self.staged[c] = rows
+        if not self.pairwise[g0]:
+            return [dist.all_gather_into_tensor(rows.view(-1), rows[me], group=group,
+                                                async_op=True)]
+        works, tag = [], GATHER_TAG + c * len(self.groups) + g0
+        for r in range(self.world):
+            if r != me:
+                works.append(dist.isend(rows[me], dst=self.peers[g0][r], group=group, tag=tag))
+                works.append(dist.irecv(rows[r], src=self.peers[g0][r], group=group, tag=tag))
+        return works
+
     def wait(self, chunks) -> None:
         for c in chunks:
             if c < len(self.works) and c not in self.done:
                 for work in self.works[c]:
                     work.wait()
+                rows = self.staged.pop(c, None)
+                if rows is not None:  # a packed chunk: its rows into the groups' flats
+                    at = 0
+                    with torch.no_grad():
+                        for g in self.chunk_groups[c]:
+                            width = self.partitions[g][0].numel()
+                            self._rows(g).copy_(rows.narrow(1, at, width))
+                            at += width
                 # let the chunk's collectives go: a list all-gather stages its output in a
                 # buffer of its own (NCCL: world x piece), freed with the work, so all of them
                 # together would hold a second copy of the weights until the forward's end,
-                # where activations peak; released here, they are gone chunk by chunk
+                # where activations peak; released here, they are gone chunk by chunk (a
+                # packed chunk's staging buffer above likewise)
                 self.works[c] = []
                 self.done.add(c)
                 self._event("done", c)
@@ -178,7 +272,7 @@ class ParamGather:
             if not 0 <= start < flat.numel():
                 continue
             if self.by_group:
-                return {g}
+                return {self.chunk_of[g]}
             end, size, width = start + param.numel(), self.sizes[g], self.partitions[g][0].numel()
             found: set[int] = set()
             for r in range(self.world):
@@ -294,15 +388,16 @@ def _launching(step: Callable, gather: ParamGather) -> Callable:
 def _launching_early(group_step: Callable, gather: ParamGather) -> Callable:
     """DeepSpeedZeroOptimizer's step runs the optimizer one parameter group at a time
     (`_optimizer_step(i)`) and writes group i's partition into the weights before group i + 1's
-    turn. With the app's layer blocks, chunk g is group g: when group i's turn begins, chunks
-    0 .. i - 1 are final and go on the wire while the later groups step, instead of after the
-    last one (the netsim model's 16 groups step in 15-16 ms, which the gather now overlaps:
-    docs/benchmarks.md "netsim scale, round 6")."""
+    turn. With the app's layer blocks, a chunk is a group (or a run of them, packed): when
+    group i's turn begins, the chunks of groups 0 .. i - 1 only are final and go on the wire
+    while the later groups step, instead of after the last one (the netsim model's 16 groups
+    step in 15-16 ms, which the gather now overlaps: docs/benchmarks.md "netsim scale, round
+    6")."""
     @functools.wraps(group_step)
     def step_group(group_no, *args, **kwargs):
         if _ACTIVE["gather"] is gather:
             gather._event("optimizer", group_no)
-            gather.launch_upto(group_no)
+            gather.launch_upto(gather.chunks_stepped(group_no))
         return group_step(group_no, *args, **kwargs)
     return step_group
 

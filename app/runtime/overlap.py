@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from bisect import bisect_right
 from typing import Callable, Iterable, NamedTuple
 
 import torch
@@ -83,6 +84,97 @@ def block_starts(sizes: list[int], blocks: int) -> list[int]:
 def bucket_elements(total: int) -> int:
     """Elements a bucket: an eighth of the model, within [64 Ki, DDP's 25 MB of fp32]."""
     return max(MIN_BUCKET_ELEMENTS, min(MAX_BUCKET_ELEMENTS, total // TARGET_BUCKETS))
+
+
+# -- sizing by world size (the reducer's buckets, the gather's chunks, and the plan's) -----------
+
+MIN_PIECE_BYTES = 256 * 2**10
+"""The least a reduce-scatter bucket or a weight gather chunk moves per rank, where the world
+would cut it smaller (`packs`). NCCL's reduce-scatter and all-gather are rings: N - 1 steps,
+each moving one rank's piece of s bytes and paying the per-hop latency a, so the link is busy
+s/B of every a + s/B. At 25 Gb/s (3.1 GB/s of payload) 256 KiB is 84 us a hop: 74% of the link
+at the plan's 25gbe latency of 30 us, 81-89% at 10-20 us; bert-120m's 6,400-element fp32 pieces
+(25.6 KB) at 1,024 ranks take 8.2 us, 21%: each of its 27 reduce-scatters a step ran at a fifth
+of the link (review gpu-path-2, M-7). The review's 1 MB (335 us, 92%) costs overlap instead:
+fewer buckets, the last one complete only at backward's end. The plan (`app plan --model
+bert-120m --seq-len 512 --micro-batch 16 --gpu H100-SXM --gpus-per-node 8`, bf16, step ms):
+at 32 nodes on 25 Gb/s 233.5 unpacked, 218.0 at 256 KiB, 220.8 at 1 MB (fp32 ZeRO-1: 304.0,
+291.9, 303.0); at 128 nodes 319.1, then 231.5 at either (fp32: 391.2, 315.3), at 100 Gb/s
+127.1 -> 72.4. At 400 Gb/s (a = 3 us) it costs: 27.5 -> 29.0 at 128 nodes (fp32 38.7 ->
+47.7), the one bucket left hiding nothing behind backward where the plan counts a call's
+latency as 127 inter-node hops; 128 KiB would lose less there (26.2, 40.9) and up to 6% more
+at 25-100 Gb/s. In bytes, not elements: the gather's bf16 weights get twice the fp32 gradients'
+elements."""
+
+
+def piece_floor(element_size: int) -> int:
+    """MIN_PIECE_BYTES in elements of `element_size` bytes (fp32: 65,536; bf16: 131,072)."""
+    return max(1, MIN_PIECE_BYTES // element_size)
+
+
+def packs(bucket_size: int, world_size: int, floor: int) -> bool:
+    """Whether the world, not the model, makes pieces latency-bound: the reducer's piece of a
+    bucket, `bucket_size // world_size` elements a rank, is below `floor`. Then the reducer's
+    buckets are cut from the optimizer groups' partitions run together, and the gather packs
+    whole groups into chunks (`bucket_pieces`, `gather_chunks`), each at least `floor` a rank.
+    Below that world nothing changes: each group is cut on its own, and its last piece and the
+    small groups (a block's biases and norms: 384-1,768 elements a rank for the netsim model at
+    2 ranks) stay buckets of their own: a few rings, each of few hops at such a world."""
+    return bucket_size // world_size < floor
+
+
+def bucket_pieces(parts: list[int], world_size: int, bucket_size: int,
+                  floor: int = 1) -> list[list[tuple[int, int, int]]]:
+    """The reduce-scatter buckets of groups whose per-rank partitions are `parts` elements long:
+    each bucket's pieces as (group, start in the group's partition, length), the same on every
+    rank (rank r's region of a bucket is its pieces in this order).
+
+    Where the world leaves pieces of `bucket_size // world_size` at least `floor` (`packs`),
+    bucket (g, c) is piece c of group g's partition, as before there was a floor. Else the
+    partitions are run together, group after group, and cut into n = (their sum // floor)
+    equal runs, the last taking the remainder: every bucket at least `floor` a rank (one bucket
+    where the whole share is below it), a bucket spanning groups where they are short.
+    bert-120m's 15 groups (vocab 30,522) at 1,024 ranks: 106,956 elements a rank, one bucket of
+    fp32 gradients, not 27 pieces of at most 6,400 elements; at 256 ranks six of 71,299."""
+    piece = max(1, bucket_size // world_size)
+    if not packs(bucket_size, world_size, floor):
+        return [[(g, start, min(piece, part - start))] for g, part in enumerate(parts)
+                for start in range(0, part, piece)]
+    total = sum(parts)
+    n = max(1, total // floor)
+    ends = [(b + 1) * (total // n) for b in range(n - 1)] + [total]
+    buckets: list[list[tuple[int, int, int]]] = [[] for _ in ends]
+    b, at = 0, 0  # at: the position of group g's partition in the run of them all
+    for g, part in enumerate(parts):
+        start = 0
+        while start < part:
+            while at + start >= ends[b]:
+                b += 1
+            n_here = min(part - start, ends[b] - at - start)
+            buckets[b].append((g, start, n_here))
+            start += n_here
+        at += part
+    return [bucket for bucket in buckets if bucket]
+
+
+def gather_chunks(parts: list[int], floor: int) -> list[list[int]]:
+    """The weight gather's chunks where it packs (`packs`), each a list of groups: consecutive
+    groups (whole partitions, `parts` elements a rank) run together until a chunk holds at least
+    `floor` a rank, and a last chunk short of it joins the one before (a group that long that
+    starts a chunk is one alone, as without packing). bert-120m's 15 groups in bf16: one chunk
+    at 1,024 ranks, three at 256."""
+    chunks: list[list[int]] = []
+    filled = 0
+    for g, part in enumerate(parts):
+        if not chunks or filled >= floor:
+            chunks.append([])
+            filled = 0
+        chunks[-1].append(g)
+        filled += part
+    if len(chunks) > 1 and filled < floor:
+        last = chunks.pop()
+        chunks[-1] += last
+    return chunks
 
 
 def buckets_in_backward_order(params: Iterable[torch.nn.Parameter],
@@ -234,7 +326,8 @@ class GradReducer:
 
 class Segment(NamedTuple):
     """Part of a parameter's gradient inside one bucket: elements [start, start + length) of the
-    flattened gradient go to bucket position `at` (partition r's piece is at r x piece length)."""
+    flattened gradient go to bucket position `at` (partition r's region of the bucket starts
+    at r x the bucket's per-rank length; within it, its pieces in the bucket's order)."""
     bucket: int
     partition: int
     at: int
@@ -265,30 +358,34 @@ def flat_group(params: list, flat: torch.Tensor, partitions: list) -> FlatGroup 
     return FlatGroup(params, offsets, flat.numel())
 
 
-def partition_buckets(groups: list[FlatGroup], world_size: int, bucket_size: int):
-    """Buckets of equal pieces of every rank's partition: bucket (g, c) holds piece c (of
-    `bucket_size // world_size` elements) of each partition of group g, so a reduce-scatter of
-    it hands rank r piece c of its own partition. Returns each bucket's piece length and every
-    parameter's segments, bucket indices in (group, piece) order."""
-    piece = max(1, bucket_size // world_size)
-    lengths: list[int] = []
-    first: list[int] = []  # index of group g's piece 0
-    for group in groups:
-        part = group.numel // world_size
-        first.append(len(lengths))
-        lengths += [min(piece, part - c) for c in range(0, part, piece)]
+def partition_buckets(groups: list[FlatGroup], world_size: int, bucket_size: int,
+                      min_piece: int = 1):
+    """Buckets of equal pieces of every rank's partition (`bucket_pieces`: piece c of group g,
+    `bucket_size // world_size` elements, or where that is below `min_piece`, the partitions
+    run together and cut in runs of at least `min_piece`), so a reduce-scatter of a bucket
+    hands rank r its own pieces. Rank r's region of bucket b starts at r x lengths[b] and holds
+    its pieces in the bucket's order. Returns each bucket's per-rank length and every
+    parameter's segments, bucket indices in the order of the groups' pieces."""
+    parts = [group.numel // world_size for group in groups]
+    buckets = bucket_pieces(parts, world_size, bucket_size, min_piece)
+    lengths = [sum(n for _, _, n in pieces) for pieces in buckets]
+    cuts: list[list[tuple[int, int, int, int]]] = [[] for _ in groups]  # (start, bucket, at, n)
+    for b, pieces in enumerate(buckets):
+        at = 0
+        for g, start, n in pieces:
+            cuts[g].append((start, b, at, n))
+            at += n
     segments: dict[int, list[Segment]] = {}
     for g, group in enumerate(groups):
-        part = group.numel // world_size
+        part, starts = parts[g], [cut[0] for cut in cuts[g]]
         for p, offset in zip(group.params, group.offsets):
             pos, end = offset, offset + p.numel()
             while pos < end:
                 r, within = divmod(pos, part)
-                c, at = divmod(within, piece)
-                n = min(end - pos, piece - at, part - within)
-                b = first[g] + c
+                start, b, at, length = cuts[g][bisect_right(starts, within) - 1]
+                n = min(end - pos, start + length - within)
                 segments.setdefault(id(p), []).append(
-                    Segment(b, r, r * lengths[b] + at, pos - offset, n))
+                    Segment(b, r, r * lengths[b] + at + within - start, pos - offset, n))
                 pos += n
     return lengths, segments
 
@@ -322,12 +419,19 @@ class PartitionReducer:
     slower links at scale).
     Buckets are launched in the order backward completes them (`launch_order`), the same on
     every rank.
+
+    At a world that would cut pieces below `min_piece` (default: MIN_PIECE_BYTES of the wire
+    dtype where the bucket size is the default; none where the caller sizes the buckets), the
+    groups' partitions are packed instead, a bucket spanning groups (`bucket_pieces`): a few
+    buckets, each moving at least the floor a rank, rather than one latency-bound ring per
+    piece.
     """
 
     def __init__(self, groups: list[FlatGroup], order: list, *, group, world_size: int,
                  comm_dtype: torch.dtype, is_boundary: Callable[[], bool], average: bool,
                  grad_of: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None,
-                 bucket_size: int | None = None, pairwise: bool = True):
+                 bucket_size: int | None = None, pairwise: bool = True,
+                 min_piece: int | None = None):
         self.group, self.world_size, self.comm_dtype = group, world_size, comm_dtype
         self.is_boundary, self.average = is_boundary, average
         self.grad_of = grad_of or (lambda p: p.grad)
@@ -338,9 +442,13 @@ class PartitionReducer:
         # NCCL's (with pairwise=False on gloo: that branch's code, in the tests)
         self.pairwise = pairwise and dist.get_backend(group) == "gloo"
         self.bucket_size = bucket_size or bucket_elements(sum(g.numel for g in groups))
-        lengths, segments = partition_buckets(groups, world_size, self.bucket_size)
+        if min_piece is None:
+            min_piece = 1 if bucket_size else piece_floor(comm_dtype.itemsize)
+        self.min_piece, self.n_groups = min_piece, len(groups)
+        self.packed = packs(self.bucket_size, world_size, min_piece)
+        lengths, segments = partition_buckets(groups, world_size, self.bucket_size, min_piece)
         new = {b: i for i, b in enumerate(launch_order(lengths, segments, order))}
-        self.lengths = [lengths[b] for b in sorted(new, key=new.get)]
+        self.lengths = [lengths[b] for b in sorted(new, key=lambda b: new[b])]
         self.segments = {pid: [seg._replace(bucket=new[seg.bucket]) for seg in segs]
                          for pid, segs in segments.items()}
         params = [p for g in groups for p in g.params if id(p) in self.segments]
@@ -367,7 +475,15 @@ class PartitionReducer:
 
     def describe(self) -> str:
         how = "pairwise over gloo" if self.pairwise else "reduce_scatter"
-        return (f"{len(self.lengths)} bucket(s) of <= {self.bucket_size:,} elements, "
+        size = f"of <= {self.bucket_size:,} elements"
+        if self.packed:
+            low, high = min(self.lengths), max(self.lengths)
+            size = (f"of {low:,}{f'-{high:,}' if high > low else ''} elements a rank (the "
+                    f"{self.n_groups} optimizer groups' partitions run together and cut at "
+                    f"least {self.min_piece:,} a rank: at {self.world_size} ranks pieces of "
+                    f"{self.bucket_size:,}-element buckets, "
+                    f"{self.bucket_size // self.world_size:,} a rank, would be latency-bound)")
+        return (f"{len(self.lengths)} bucket(s) {size}, "
                 f"reduce-scattered ({how}) in {str(self.comm_dtype).removeprefix('torch.')} "
                 f"during backward: {self.world_size - 1}/{self.world_size} of the gradient "
                 f"sent, half an all-reduce")

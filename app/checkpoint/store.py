@@ -28,16 +28,16 @@ import shutil
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from app.faults import injection as faults
 from app.checkpoint import manifest, universal
+from app.checkpoint.train_state import TrainStateFile
+from app.faults import injection as faults
+from app.rundir import CHECKPOINTS
 from app.runtime.device import rng_state, set_rng_state
 from app.runtime.dist import any_rank, barrier, world_size
-from app.rundir import CHECKPOINTS
-from app.checkpoint.train_state import TrainStateFile
 from data_tools import output
 from data_tools.errors import UserError
 from data_tools.schema import read_json
@@ -74,7 +74,7 @@ def tags_after(ckpt_dir: Path, tag: str) -> list[str]:
     step = int(m.group(1))
     return sorted((p.name for p in ckpt_dir.iterdir()
                    if p.is_dir() and (t := TAG_RE.match(p.name)) and int(t.group(1)) > step),
-                  key=lambda name: int(TAG_RE.match(name).group(1)))
+                  key=lambda name: int(cast("re.Match[str]", TAG_RE.match(name)).group(1)))
 
 
 def all_tags(ckpt_dir: Path) -> list[str]:
@@ -82,7 +82,7 @@ def all_tags(ckpt_dir: Path) -> list[str]:
     if not ckpt_dir.is_dir():
         return []
     return sorted((p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG_RE.match(p.name)),
-                  key=step_of, reverse=True)
+                  key=lambda name: cast(int, step_of(name)), reverse=True)
 
 
 def latest_problem(ckpt_dir: Path) -> str | None:
@@ -261,15 +261,16 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
     needed = estimate_bytes(ckpt_dir, engine)
     free = output.free_bytes(ckpt_dir)
     if any_rank(free is not None and needed > free, engine.device):
-        return _save_failed(output.disk_full_message(tag_dir, needed), tag, ckpt_dir,
-                            skip_errors)
+        _save_failed(output.disk_full_message(tag_dir, needed), tag, ckpt_dir, skip_errors)
+        return None
     try:
         with output.writing(tag_dir, needed):
             _write(engine, ckpt_dir, tag, state, rank)
             entries = manifest.own_entries(tag_dir, rank)  # hashed by the rank that wrote them
     except UserError as e:
         shutil.rmtree(tag_dir, ignore_errors=True)
-        return _save_failed(str(e), tag, ckpt_dir, skip_errors and world_size() == 1)
+        _save_failed(str(e), tag, ckpt_dir, skip_errors and world_size() == 1)
+        return None
     # a collective: every rank's partitions are on disk before the manifest, then `latest`
     entries = manifest.gather_entries(entries)
     if rank == 0:
@@ -294,7 +295,7 @@ def _write(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int) -
     # could leave it naming a partial tag, or empty
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"train_state": state},
                            save_latest=False)
-    faults.die_in_save(step_of(tag))
+    faults.die_in_save(cast(int, step_of(tag)))  # a tag_for tag: it has a step
 
 
 def _save_failed(message: str, tag: str, ckpt_dir: Path, skip: bool) -> None:
@@ -346,8 +347,8 @@ def choose_rollback(ckpt_dir: Path, step: int, device: torch.device,
     passed over is said in the list (kind, why, where it went); the main rank sets it aside
     (`set_aside`: the run would save over it) and points `latest` at the tag taken. Every rank
     checks each tag and they agree (a collective: every rank calls it), so all load the same."""
-    candidates = [t for t in all_tags(ckpt_dir) if step_of(t) <= step]
-    passed = []
+    candidates = [t for t in all_tags(ckpt_dir) if cast(int, step_of(t)) <= step]
+    passed: list[str] = []
     for tag in candidates:
         problem = tag_problem(ckpt_dir, tag)
         if not any_rank(problem is not None, device):

@@ -31,7 +31,7 @@ import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -183,7 +183,9 @@ def read(tag_dir: Path, state: dict[str, Any], names_for: NamesFor | None = None
 
 def _by_rank(files) -> list[Path]:
     """Partition files in rank order (rank 10 after rank 9, not after rank 1)."""
-    return sorted(files, key=lambda f: int(re.search(r"pp_rank_(\d+)_", f.name).group(1)))
+    # each was globbed by a *pp_rank_<rank>_* pattern: the search finds it
+    return sorted(files, key=lambda f: int(
+        cast("re.Match[str]", re.search(r"pp_rank_(\d+)_", f.name)).group(1)))
 
 
 def _load(path: Path) -> Any:
@@ -485,7 +487,7 @@ def _set_step(optimizer: torch.optim.Optimizer, step: int) -> None:
     the parameter's device in fp32 where the group is fused or capturable, else on the host),
     per parameter as an int (DeepSpeed's CPU Adam) or per group (DeepSpeed's fused Adam)."""
     torch_style = type(optimizer).__module__.startswith("torch.")
-    on_device = set()
+    on_device: set[int] = set()
     for group in optimizer.param_groups:
         if "step" in group or not torch_style:
             group["step"] = step

@@ -24,13 +24,19 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from app.data import packing
-from app.runtime.device import cpu_share
-from app.data.masking import (EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots,
-                         sample_keys)
+from app.data.masking import EVAL_STREAM, IGNORE_INDEX, TRAIN_STREAM, Masker, mlm_slots, sample_keys
 from app.data.mixture import Mixture
-from app.data.order import (GOLDEN, Permutation, check_batch_geometry, check_rank,
-                            eval_positions, mix64_np, rank_positions)
+from app.data.order import (
+    GOLDEN,
+    Permutation,
+    check_batch_geometry,
+    check_rank,
+    eval_positions,
+    mix64_np,
+    rank_positions,
+)
 from app.data.stream import TokenStream
+from app.runtime.device import cpu_share
 from data_tools.errors import UserError
 from data_tools.manifest import MANIFEST, load_manifest, special_ids
 
@@ -187,11 +193,11 @@ class TokenWindows(Dataset):
         batch = self.batch([position])
         return batch if "error" in batch else {k: torch.from_numpy(v[0]) for k, v in batch.items()}
 
-    def __getitems__(self, positions: list[int]) -> dict[str, np.ndarray]:
+    def __getitems__(self, positions: list[int]) -> dict[str, Any]:
         """DataLoader's batched fetch: the micro batch at once (`batch`)."""
         return self.batch(positions)
 
-    def batch(self, positions) -> dict[str, np.ndarray]:
+    def batch(self, positions) -> dict[str, Any]:
         """The samples at `positions` as [len, seq_len] int64 arrays (`input_ids`,
         `attention_mask`, `labels`), MLM masking vectorised over them (row r is masked exactly
         as that sample alone); `{"error": ...}` when one is corrupt."""
@@ -225,11 +231,12 @@ class TokenWindows(Dataset):
         return {"input_ids": ids, "attention_mask": attention, "labels": labels,
                 "tokens": lengths.reshape(-1, 1)}
 
-    def _packed_batch(self, positions: np.ndarray, windows: np.ndarray) -> dict[str, np.ndarray]:
+    def _packed_batch(self, positions: np.ndarray, windows: np.ndarray) -> dict[str, Any]:
         """"doc-packed": each window's documents laid out and masked one by one exactly as "doc"
         does (the masks keyed by (seed, position, document's place) in training, by the document
         on the eval stream, as "doc" keys its eval samples), then placed side by side
         (packing.place_documents)."""
+        assert self.plan is not None  # batch() comes here only with a plan
         seq_len = self.spec.seq_len
         docs = [self.plan.window(int(w)) for w in windows.tolist()]
         owner = np.repeat(np.arange(len(docs)), [d.size for d in docs])
@@ -248,6 +255,7 @@ class TokenWindows(Dataset):
         keys = (sample_keys(self.spec.seed, flat, EVAL_STREAM) if self.eval_order else
                 mix64_np(sample_keys(self.spec.seed, positions[owner], TRAIN_STREAM)
                          + (place.astype(np.uint64) + np.uint64(1)) * np.uint64(GOLDEN)))
+        assert self.masker is not None  # "doc-packed" is MLM's (app.data.packing)
         ids, labels = self.masker.mask_batch(ids, lengths, keys)
         return packing.place_documents(ids, labels, lengths, owner, len(docs), seq_len,
                                        pad_id=self.pad_id, ignore=IGNORE_INDEX)
@@ -402,6 +410,8 @@ class BatchLayout:
         position to the bound (app.data.masking.mlm_slots)."""
         seq = spec.seq_len
         slots = mlm_slots(seq, spec.mask_prob) + max_docs - 1
+        keys: tuple[str, ...]
+        widths: tuple[int, ...]
         keys, widths = ((("input_ids", "mlm_positions", "mlm_labels"), (seq, slots, slots))
                         if spec.objective == "mlm" else (("input_ids", "labels"), (seq, seq)))
         if spec.packing == "doc":
@@ -577,9 +587,9 @@ class EvalPass(Dataset):
             sample["labels"] = torch.full_like(sample["labels"], IGNORE_INDEX)
         return sample
 
-    def __getitems__(self, positions: list[int]) -> dict[str, np.ndarray]:
-        positions = np.asarray(positions, dtype=np.int64)
-        batch = self.samples.batch(positions % self.total)
+    def __getitems__(self, positions: list[int]) -> dict[str, Any]:
+        at = np.asarray(positions, dtype=np.int64)
+        batch = self.samples.batch(at % self.total)
         if "error" not in batch:
-            batch["labels"][positions >= self.total] = IGNORE_INDEX
+            batch["labels"][at >= self.total] = IGNORE_INDEX
         return batch

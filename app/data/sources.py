@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from pydantic import ConfigDict
 
@@ -89,7 +89,7 @@ class Sources:
     def fingerprint(self) -> str:
         """The data's identity: the dataset's fingerprint, or a hash of the mixture's sources'
         fingerprints and quantised shares (what decides the stream; names and paths do not)."""
-        if not self.is_mixture:
+        if self.mixture is None:
             return self.manifest["fingerprint"]
         h = new_hasher()
         for s, share in zip(self.items, self.mixture.shares.tolist()):
@@ -98,6 +98,7 @@ class Sources:
 
     def record(self) -> list[dict[str, Any]]:
         """The mixture as config.json, wandb and the checkpoint record it."""
+        assert self.mixture is not None, "record() is a mixture's"
         return [{"name": s.name, "path": str(s.path), "weight": s.weight, "share": share,
                  "fingerprint": s.manifest["fingerprint"]}
                 for s, share in zip(self.items, self.mixture.fractions)]
@@ -105,7 +106,7 @@ class Sources:
     def epochs(self, position: int, num_samples: Sequence[int]) -> dict[str, float]:
         """`data/<name>/epoch` of a mixture at a stream position: how often each source has been
         read through (an upsampled small source shows its repeats). Nothing for one dataset."""
-        if not self.is_mixture:
+        if self.mixture is None:
             return {}
         drawn = self.mixture.drawn(position).tolist()
         return {f"data/{s.name}/epoch": round(d / n, 6)
@@ -130,8 +131,9 @@ class Sources:
 def _said(record: list[dict[str, Any]] | None) -> str:
     if not record:
         return "one dataset"
-    return "the mixture " + describe([s.get("name") for s in record],
-                                     [s.get("share") for s in record])
+    # record() writes every source's name and share
+    return "the mixture " + describe(cast("list[str]", [s.get("name") for s in record]),
+                                     cast("list[float]", [s.get("share") for s in record]))
 
 
 def read_sources(data: Path | Sequence[str]) -> Sources:

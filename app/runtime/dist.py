@@ -12,6 +12,7 @@ import resource
 import socket
 import sys
 import time
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,7 @@ _LAUNCHER_VARS = {
 }
 
 
-def adopt_launcher_env(env: dict[str, str] | None = None) -> None:
+def adopt_launcher_env(env: MutableMapping[str, str] | None = None) -> None:
     """Fill torch's rank variables from an MPI or Slurm launcher's when they are missing, so
     those processes join one job instead of each becoming a world of one."""
     env = os.environ if env is None else env
@@ -59,7 +60,7 @@ def adopt_launcher_env(env: dict[str, str] | None = None) -> None:
             env[name] = value.split("(")[0]  # SLURM_NTASKS_PER_NODE may read "4(x2)"
 
 
-def world_from_env(env: dict[str, str] | None = None) -> World:
+def world_from_env(env: Mapping[str, str] | None = None) -> World:
     env = os.environ if env is None else env
     world_size = int(env.get("WORLD_SIZE", 1))
     # a missing local size means one rank per node is all we know: never the whole world
@@ -101,7 +102,7 @@ def _kernel_open_file_max() -> int | None:
         return None
 
 
-def default_gloo_interface(env: dict[str, str] | None = None) -> str | None:
+def default_gloo_interface(env: MutableMapping[str, str] | None = None) -> str | None:
     """GLOO_SOCKET_IFNAME from NCCL_SOCKET_IFNAME when only the latter is set; a line saying so.
 
     A cluster that needs NCCL_SOCKET_IFNAME (hostnames resolving to the wrong network) needs the

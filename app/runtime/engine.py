@@ -20,10 +20,18 @@ from app.runtime import gather, registry, step_guard
 from app.runtime.device import device_ordinal
 from app.runtime.ops import load_op, optimizer_op
 from app.runtime.overlap import GradReducer, PartitionReducer, flat_group
-from app.runtime.patches import (bf16_unfused_step, local_fp32_clipping, local_zero1_reduction,
-                                 one_norm_collective, partitioned_bf16_norm, relink_only_moved,
-                                 share_fp32_partitions, skip_lone_allreduce,
-                                 stream_ordered_epilogue, sync_free_steps)
+from app.runtime.patches import (
+    bf16_unfused_step,
+    local_fp32_clipping,
+    local_zero1_reduction,
+    one_norm_collective,
+    partitioned_bf16_norm,
+    relink_only_moved,
+    share_fp32_partitions,
+    skip_lone_allreduce,
+    stream_ordered_epilogue,
+    sync_free_steps,
+)
 from app.runtime.step_guard import HOST_SKIP
 from app.runtime.zero2_overlap import overlap_zero2, uses_muon
 
@@ -63,7 +71,9 @@ class _Installing:
     checks a patch's instance attributes once the patch otherwise applies)."""
 
     def __init__(self, selection: frozenset[str]):
-        self.selection, self.applied, self.notes = selection, [], []
+        self.selection = selection
+        self.applied: list[str] = []
+        self.notes: list[str] = []
 
     def on(self, name: str) -> bool:
         return name in self.selection
@@ -201,8 +211,9 @@ def _scatter_reduction(engine, zero1: bool, bf16: bool, average: bool,
                     opt.parallel_partitioned_bit16_groups)
     else:
         pairs = zip(opt.bf16_groups, opt.bf16_groups_flat, opt.bf16_partitioned_groups)
-    groups = [flat_group(*pair) for pair in pairs]
-    if not groups or None in groups or any(
+    found = [flat_group(*pair) for pair in pairs]
+    groups = [g for g in found if g is not None]
+    if not groups or len(groups) != len(found) or any(
             dist.get_world_size(g) != engine.dp_world_size for g in opt.real_dp_process_group):
         return None
     reducer = PartitionReducer(groups, list(engine.module.parameters()), group=group,

@@ -341,7 +341,8 @@ class Zero2Overlap:
         else:
             works, finish = [dist.reduce(sent, dist.get_global_rank(group, rank), group=group,
                                          async_op=True)], None
-        self.deferring.works += works  # both callers launch inside a deferred bucket only
+        assert self.deferring is not None  # both callers launch inside a deferred bucket only
+        self.deferring.works += works
         if self.trace_path:  # a Work holds its tensor: kept past completion only when tracing
             self.works.append(works)
             self.events.append(("launch", k, time.perf_counter()))

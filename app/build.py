@@ -37,7 +37,7 @@ from app.model import (
     optimizer_groups,
     skeleton_group_names,
 )
-from app.runtime import registry
+from app.runtime import islands, registry
 from app.runtime.device import (
     ComputeClock,
     Device,
@@ -49,7 +49,8 @@ from app.runtime.device import (
 )
 from app.runtime.dist import World, adopt_launcher_env, barrier, init_distributed, world_from_env
 from app.runtime.ds_config import zero_stage
-from app.runtime.engine import engine_facts, initialize, versions
+from app.runtime.engine import engine_facts, global_batch, initialize, versions
+from app.runtime.outer import OuterSync
 from app.settle import Plan, plan_run
 from app.telemetry import figures as telemetry
 from app.telemetry.flops import ModelShape, flops_per_token, head_fraction
@@ -114,6 +115,9 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
         if world.is_main:
             print(f"resumed from {plan.resume[0] / plan.resume[1]} at step {state.step}",
                   file=sys.stderr)
+    outer = getattr(engine, "app_outer", None)
+    if outer is not None and not outer.loaded:  # a fresh round from the weights it has
+        outer.reset_anchor()
     preemption.stop_before_loop("while building the engine", stops.agree_now())
     stops.start()  # a signal from now on: the loop saves a checkpoint
     run_config = describe_run(plan, engine, world, data_dirs, n_params, threads)
@@ -128,12 +132,14 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
 
 def state_facts(plan: Plan, engine, world: World) -> dict[str, Any]:
     """What every checkpoint of this run records about it (app.checkpoint.train_state)."""
-    return {"world_size": world.world_size, "global_batch": engine.train_batch_size(),
+    return {"world_size": world.world_size, "global_batch": global_batch(engine),
             "dataset_fingerprint": plan.sources.fingerprint,
             **({"mixture": plan.sources.record()} if plan.sources.is_mixture else {}),
             "model_config": plan.model_config.to_dict(), "run_config": plan.cfg.to_dict(),
             "ds_config": plan.ds_config,
             "flat_master_groups": checkpoint.flat_master_groups(engine),
+            # a low-communication run: how many islands (the layout's world is one island's)
+            **({"islands": world.world_size // plan.island_ranks} if plan.island_ranks else {}),
             # the optimizer's groups by name, as `_engine` builds them (universal.read)
             "param_group_names": group_names(engine.module, plan.switch.now.optimizer_blocks),
             **asdict(plan.switch.now), "history": list(plan.switch.history)}
@@ -189,8 +195,11 @@ def deepspeed_patches(cfg: TrainConfig, world: World) -> frozenset[str]:
 def _engine(plan: Plan, cooldown: anomaly.Cooldown, patches: frozenset[str] = registry.ALL):
     """The model (same seed, same weights on every rank) inside the DeepSpeed engine with the
     selected patches; its LR schedule is the plan's times the cool-down after a rollback (part
-    of the train state)."""
+    of the train state). A low-communication run (--dp-mode diloco): DeepSpeed's data-parallel
+    world is the rank's island (app.runtime.islands), and the outer step rides on the engine
+    (`engine.app_outer`, app.runtime.outer)."""
     cfg = plan.cfg
+    isles = islands.make(plan.island_ranks) if plan.island_ranks else None
     # ZeRO-3: built partitioned (no rank holds the whole model), same weights as ZeRO 0-2
     zero3 = plan.ds_config if zero_stage(plan.ds_config) == 3 else None
     model = build_model(plan.model_config, gradient_checkpointing=cfg.gradient_checkpointing,
@@ -201,7 +210,10 @@ def _engine(plan: Plan, cooldown: anomaly.Cooldown, patches: frozenset[str] = re
     # ZeRO-1/2: groups of layer blocks, each partitioned on its own (app.runtime.overlap)
     groups = optimizer_groups(model, cfg.weight_decay, plan.switch.now.optimizer_blocks)
     engine = initialize(model, plan.ds_config, anomaly.scaled(plan.lr_lambda, cooldown), groups,
-                        patches)
+                        patches, mpu=isles.mpu if isles else None)
+    if isles is not None:
+        engine.app_outer = OuterSync(engine, isles, every=cfg.outer_every, lr=cfg.outer_lr,
+                                     momentum=cfg.outer_momentum, dtype=cfg.outer_dtype)
     if cfg.compile:
         engine.compile()
     return engine, n_params
@@ -214,7 +226,7 @@ def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,
     print(f"model: {cfg.model_name} ({plan.objective}), {n_params / 1e6:.2f}M parameters, "
           f"{plan.precision}, ZeRO-{zero_stage(plan.ds_config)}, {world.world_size} rank(s) "
           f"x micro batch {engine.train_micro_batch_size_per_gpu()} x grad accum "
-          f"{engine.gradient_accumulation_steps()} = {engine.train_batch_size()} samples/step",
+          f"{engine.gradient_accumulation_steps()} = {global_batch(engine)} samples/step",
           file=sys.stderr)
     print(f"gradients: {engine_facts(engine)['grad_reduction']}", file=sys.stderr)
     nodes = run_config["environment"]["nodes"]
@@ -254,8 +266,8 @@ def describe_run(plan: Plan, engine, world: World, data_dirs: list[Path], n_para
                   "attention": {"implementation": plan.attention[0], "why": plan.attention[1]}},
         "batch": {"micro_batch": engine.train_micro_batch_size_per_gpu(),
                   "grad_accum": engine.gradient_accumulation_steps(),
-                  "global_batch": engine.train_batch_size(),
-                  "global_batch_tokens": engine.train_batch_size() * cfg.seq_len},
+                  "global_batch": global_batch(engine),
+                  "global_batch_tokens": global_batch(engine) * cfg.seq_len},
         "schedule": {"total_steps": plan.total_steps, "warmup_steps": plan.warmup_steps,
                      "decay": cfg.lr_decay, "lr": cfg.lr, "min_lr_ratio": cfg.min_lr_ratio},
         "precision": plan.precision,
@@ -296,7 +308,7 @@ def run_shape(plan: Plan, engine) -> telemetry.RunShape:
                                 attention_span=plan.attention_span)
     peak = telemetry.peak_tflops(plan.device.model, plan.precision, tf32=cfg.tf32,
                                  override=cfg.peak_tflops)
-    return telemetry.RunShape(global_batch=engine.train_batch_size(), seq_len=cfg.seq_len,
+    return telemetry.RunShape(global_batch=global_batch(engine), seq_len=cfg.seq_len,
                               world_size=plan.world.world_size, flops_per_token=per_token,
                               peak_tflops=peak)
 
@@ -354,7 +366,7 @@ def _loaders(plan: Plan, engine, world: World,
 
     def train_batches(consumed: int, skip: frozenset[int]):
         return build_train_loader(
-            train_spec, micro_batch=micro, global_batch=engine.train_batch_size(),
+            train_spec, micro_batch=micro, global_batch=global_batch(engine),
             dp_rank=world.rank, dp_size=world.world_size, consumed_samples=consumed,
             num_workers=workers, pin_memory=pin, skip=skip)
 
@@ -376,7 +388,7 @@ def _guards(plan: Plan, world: World, state: TrainState, engine, train_spec,
     resume skips them too), the agreed stop signals, the watchdog."""
     from app.data.loader import batch_samples
 
-    cfg, gbs = plan.cfg, engine.train_batch_size()
+    cfg, gbs = plan.cfg, global_batch(engine)
     rules = anomaly.Rules(policy=cfg.on_anomaly, window=cfg.spike_window, z=cfg.spike_z,
                           rise=cfg.spike_rise, max_rollbacks=cfg.max_rollbacks,
                           cooldown_steps=cfg.cooldown_steps, cooldown_factor=cfg.cooldown_factor)

@@ -26,6 +26,8 @@ RESUME_MODES = ("auto", "never")
 WANDB_MODES = ("online", "offline", "disabled")
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
 GRAD_COMM_DTYPES = ("fp32", "bf16")
+DP_MODES = ("sync", "diloco")
+OUTER_DTYPES = ("fp32", "bf16")
 
 
 @dataclass
@@ -169,6 +171,21 @@ class TrainConfig:
     grad_comm_dtype: str | None = None
     """fp32|bf16: the dtype gradients are summed in across ranks (DeepSpeed's
     communication_data_type; default: the ds_config's, else fp32; docs/gpu.md says why)."""
+    dp_mode: str = "sync"
+    """sync (data parallelism over every rank, each step) or diloco (islands of --island-ranks
+    ranks train synchronously inside and average their weights every --outer-every steps:
+    low communication between islands; docs/recipes.md)."""
+    outer_every: int = 50
+    """--dp-mode diloco: optimizer steps between the islands' syncs (H)."""
+    island_ranks: int | None = None
+    """--dp-mode diloco: ranks an island (default: a node's, the ranks on the fast link)."""
+    outer_lr: float = 0.7
+    """--dp-mode diloco: the outer SGD's learning rate on the averaged pseudo-gradient (DiLoCo's
+    0.7)."""
+    outer_momentum: float = 0.9
+    """--dp-mode diloco: the outer SGD's Nesterov momentum (DiLoCo's 0.9; 0: none)."""
+    outer_dtype: str = "fp32"
+    """--dp-mode diloco: fp32|bf16, the dtype the pseudo-gradients cross the slow link in."""
     deepspeed_patches: str = "all"
     """Where the app replaces parts of DeepSpeed (app/runtime/registry.py, docs/design.md):
     all, none (DeepSpeed's own path everywhere), NAME,... or all,-NAME,... A patch named that
@@ -227,6 +244,14 @@ class TrainConfig:
         if self.attn not in ATTENTION:
             raise UserError(f"--attn {self.attn!r}: expected one of {', '.join(ATTENTION)}")
         registry.parse(self.deepspeed_patches)  # a bad name or form: one line
+        if self.dp_mode not in DP_MODES:
+            raise UserError(f"--dp-mode {self.dp_mode!r}: expected one of {', '.join(DP_MODES)}")
+        if self.outer_dtype not in OUTER_DTYPES:
+            raise UserError(f"--outer-dtype {self.outer_dtype!r}: expected one of "
+                            f"{', '.join(OUTER_DTYPES)}")
+        _positive("outer_every", self.outer_every)
+        if self.island_ranks is not None:
+            _positive("island_ranks", self.island_ranks)
         if self.grad_comm_dtype not in (None, *GRAD_COMM_DTYPES):
             raise UserError(f"--grad-comm-dtype {self.grad_comm_dtype!r}: expected one of "
                             f"{', '.join(GRAD_COMM_DTYPES)}")
@@ -280,6 +305,8 @@ RANGES: dict[str, tuple[Any, Any, str]] = {
     "peak_tflops": (lambda v: v > 0, _any, "positive"),
     "max_rollbacks": (lambda v: v >= 0, _any, "0 or more"),
     "hang_timeout": (lambda v: v >= 0, _any, "0 or more (seconds; 0: no watchdog)"),
+    "outer_lr": (lambda v: v > 0, lambda v: v <= 10, "in (0, 10] (the outer SGD's rate)"),
+    "outer_momentum": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
 }
 
 
@@ -334,6 +361,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("init_from", type=Path, metavar="DIR")
     add("grad_comm_dtype", choices=GRAD_COMM_DTYPES)
     add("deepspeed_patches", metavar="all|none|NAME,...")
+    add("dp_mode", choices=DP_MODES)
+    for name in ("outer_every", "island_ranks"):
+        add(name, type=int, metavar="N")
+    for name in ("outer_lr", "outer_momentum"):
+        add(name, type=finite_float, metavar="F")
+    add("outer_dtype", choices=OUTER_DTYPES)
     # The deepspeed launcher appends --local_rank=N unless given --no_local_rank; LOCAL_RANK in
     # the environment says the same, so the flag is accepted and ignored.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)

@@ -80,6 +80,8 @@ class Plan:
     attention_span: float | None = None
     """The tokens a real token attends to, over the mixture's shares (the loader's
     `attention_span`): MFU's attention FLOPs (app.telemetry.flops)."""
+    island_ranks: int = 0
+    """--dp-mode diloco: ranks an island (DeepSpeed's data-parallel world); 0: synchronous."""
 
 
 def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
@@ -95,11 +97,14 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     attention = choose_attention(cfg.attn, device, precision, cfg.packing)  # probed once
     stats, eval_sources = settle_data(cfg, sources, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
+    island_ranks = settle_islands(cfg, world, raw_ds, precision)
     resume = settle_resume(cfg, sources, model_config, objective, world.is_main)
     phase = settle_phase(cfg, resume, gbs, stats, world.is_main)
     total_steps, warmup, lr_lambda = settle_schedule(cfg, gbs, phase,
                                                      real_per_sample(sources, stats))
-    ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum, world_size=world.world_size,
+    # DeepSpeed's batch is an island's in a low-communication run (its data-parallel world)
+    ds = fill_auto(raw_ds, micro_batch=micro, grad_accum=accum,
+                   world_size=island_ranks or world.world_size,
                    precision=precision, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                    weight_decay=cfg.weight_decay, pin_memory=device.pin_memory, where=ds_path,
                    torch_adam=device.torch_adam, hidden_size=model_config.hidden_size,
@@ -108,7 +113,8 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
         if world.is_main:
             print(f"warning: {warning}", file=sys.stderr)
     check_steps_left(resume, total_steps, cfg)
-    switch = settle_switch(resume, ds, world, gbs, phase)
+    switch = settle_switch(resume, ds, world, gbs, phase, island_ranks)
+    settle_dp_resume(cfg, resume, island_ranks, world, switch)
     init_from = settle_init(cfg, model_config, sources, resume, ds, world.is_main)
     if world.is_main:  # the start-up lines, once every check has passed
         print(f"attention: {attention[0]} ({attention[1]})", file=sys.stderr)
@@ -119,7 +125,70 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
                 lr_lambda=lr_lambda,
                 train_samples=tuple(st["num_samples"] for st in stats),
                 eval_sources=eval_sources, resume=resume, switch=switch, init_from=init_from,
-                attention=attention, attention_span=attention_span(sources, stats))
+                attention=attention, attention_span=attention_span(sources, stats),
+                island_ranks=island_ranks)
+
+
+def settle_islands(cfg: TrainConfig, world: World, ds: dict[str, Any], precision: str) -> int:
+    """--dp-mode diloco: the ranks an island (--island-ranks, default a node's), checked
+    against the world and the DeepSpeed config; 0 for synchronous data parallelism. The
+    resolved size is written back into the config (config.json records what ran)."""
+    if cfg.dp_mode != "diloco":
+        return 0
+    size = cfg.island_ranks or world.local_world_size
+    where = "--island-ranks" if cfg.island_ranks else "--dp-mode diloco (an island a node)"
+    if world.world_size % size:
+        raise UserError(f"{where}: {size} rank(s) an island do not divide the "
+                        f"{world.world_size} ranks of this job")
+    if world.world_size // size < 2:
+        raise UserError(f"{where}: {world.world_size} rank(s) make one island of {size}; "
+                        f"--dp-mode diloco needs two islands or more (--island-ranks N with N a "
+                        f"divisor of the world below it)")
+    zero = ds.get("zero_optimization") or {}
+    offloaded = any((zero.get(k) or {}).get("device") in ("cpu", "nvme")
+                    for k in ("offload_optimizer", "offload_param"))
+    if zero_stage(ds) == 3 or offloaded or precision == "fp16":
+        raise UserError(f"--dp-mode diloco runs at ZeRO 0-2 in fp32 or bf16 without offload "
+                        f"(this run: ZeRO-{zero_stage(ds)}, {precision}"
+                        f"{', offloaded' if offloaded else ''})")
+    cfg.island_ranks = size
+    return size
+
+
+def settle_dp_resume(cfg: TrainConfig, resume: tuple[Path, str] | None, island_ranks: int,
+                     world: World, switch: Switch) -> None:
+    """A resume that changes the data-parallel mode or the islands: converted (synchronous ->
+    diloco: the islands start a round from the checkpoint's weights) or refused in one line."""
+    if resume is None:
+        return
+    state = checkpoint.read_state(*resume)
+    saved = (state.get("run_config") or {})
+    saved_mode = saved.get("dp_mode", "sync")
+    tag_dir = resume[0] / resume[1]
+    if saved_mode == "diloco" and cfg.dp_mode != "diloco":
+        raise UserError(f"{tag_dir}: written by a --dp-mode diloco run (each island's state "
+                        f"kept apart); a synchronous run cannot resume it: export it "
+                        f"(app export) and start from the export (--init-from)")
+    if saved_mode != "diloco" and cfg.dp_mode == "diloco":
+        if world.is_main:
+            print(f"resume: {tag_dir} is a synchronous run's; the islands start a round from "
+                  f"its weights (outer momentum zero)", file=sys.stderr)
+        return
+    if saved_mode == "diloco":
+        was = (int(saved.get("island_ranks") or 0), int(state.get("islands") or 0))
+        now = (island_ranks, world.world_size // max(island_ranks, 1))
+        if was != now:
+            raise UserError(f"{tag_dir}: written by {was[1]} islands of {was[0]} rank(s); this "
+                            f"run has {now[1]} of {now[0]} (each island's optimizer state is its "
+                            f"own: the same islands resume it)")
+        if switch.convert:
+            raise UserError(f"{tag_dir}: written by islands at {switch.saved}; this run is "
+                            f"{switch.now}: a low-communication checkpoint resumes in the layout "
+                            f"it was written in")
+        if world.is_main and int(saved.get("outer_every") or 0) != cfg.outer_every:
+            print(f"resume: --outer-every {cfg.outer_every} (the checkpoint's run synced every "
+                  f"{saved.get('outer_every')}): the next sync is at the next multiple of "
+                  f"{cfg.outer_every}", file=sys.stderr)
 
 
 def print_data(sources: Sources, stats: list[dict[str, Any]], seq_len: int, gbs: int,
@@ -418,9 +487,11 @@ class Switch:
 
 
 def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: World,
-                  global_batch: int, phase: Phase | None = None) -> Switch:
-    """Compare the checkpoint's layout with this run's; say what changes."""
-    now = layout_of(ds, world.world_size)
+                  global_batch: int, phase: Phase | None = None,
+                  island_ranks: int = 0) -> Switch:
+    """Compare the checkpoint's layout with this run's; say what changes. The layout's world is
+    DeepSpeed's data-parallel world (an island's ranks in a low-communication run)."""
+    now = layout_of(ds, island_ranks or world.world_size)
     entry = {"step": 0, **asdict(now)}
     if resume is None:
         return Switch(None, now, (entry,), False)

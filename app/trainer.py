@@ -43,6 +43,7 @@ from app.runtime.device import ComputeClock, memory_gb, synchronize, to_device
 from app.runtime.dist import World, all_reduce_sum, gather_rows
 from app.runtime.engine import (
     apply_lr_schedule,
+    global_batch,
     grad_norm_before_step,
     loss_scale,
     model_state_bytes,
@@ -110,7 +111,7 @@ class Trainer:
         self.logger, self.run_dir = logger, run_dir
         self.ckpt_dir = run_dir / rundir.CHECKPOINTS
         self.shape, self.guards = shape, guards
-        self.global_batch = engine.train_batch_size()  # read back: the engine owns batch sizes
+        self.global_batch = global_batch(engine)  # read back: the engine owns batch sizes
         self.grad_accum = engine.gradient_accumulation_steps()
         self.batches: Iterator = iter(train_batches(state.consumed_samples,
                                                     guards.recovery.skip))
@@ -131,8 +132,12 @@ class Trainer:
         s, sched, recovery = self.state, self.schedule, self.guards.recovery
         self.engine.train()
         self.logger.start_progress(total=sched.stop_step, done=s.step)
+        outer = getattr(self.engine, "app_outer", None)  # --dp-mode diloco (app.runtime.outer)
         while s.step < sched.stop_step:
             self.train_step()
+            if outer is not None and (outer.due(s.step) or s.step == sched.total_steps):
+                with self.window.optimizer():  # the islands' sync: the round's last step
+                    outer.sync(s.step)
             self.logger.advance()
             last = s.step == sched.stop_step
             log_due = s.step % sched.log_every == 0 or last
@@ -250,7 +255,7 @@ class Trainer:
                   "train/lr": self._lr, "train/grad_norm": norm,
                   "train/loss_scale": loss_scale(self.engine),
                   "train/skipped_steps": self.engine.skipped_steps + s.skipped_updates,
-                  **self.data_figures(s.consumed_samples),
+                  **self.data_figures(s.consumed_samples), **self._outer_figures(),
                   **telemetry.interval([r[FIGURES:] for r in rows], s.step - self.window.first_step,
                                        self.shape)}
         self.logger.log(record)
@@ -261,6 +266,15 @@ class Trainer:
                                                      self.schedule.stop_step - s.step))
         self.intervals.append(record)
         self._reset_window()
+
+    def _outer_figures(self) -> dict[str, float]:
+        """A low-communication run's syncs: the last one's wall time, how many, and the bytes
+        each rank has sent across islands an optimizer step (this session)."""
+        outer = getattr(self.engine, "app_outer", None)
+        if outer is None:
+            return {}
+        return {"outer/sync_ms": outer.last_ms, "outer/syncs": outer.syncs,
+                "outer/bytes_per_step": outer.bytes_sent / max(self.session_steps, 1)}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -300,9 +314,13 @@ class Trainer:
     def save(self) -> Path | None:
         self.guards.watchdog.beat("saving a checkpoint")
         self._last_save = self.state.step
+        state = self.state.state_dict()
+        outer = getattr(self.engine, "app_outer", None)
+        if outer is not None:  # where the round stands: an export takes the global weights
+            state["outer"] = {"every": outer.every, "synced_at": outer.synced_at}
         with self.window.paused():  # saving is not training time
             path = checkpoint.save(self.engine, self.ckpt_dir, step=self.state.step,
-                                   state=self.state.state_dict(), rank=self.world.rank,
+                                   state=state, rank=self.world.rank,
                                    keep_last=self.schedule.keep_last,
                                    skip_errors=self.schedule.skip_failed_saves)
         if path is not None:

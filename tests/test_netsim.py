@@ -235,6 +235,26 @@ def test_two_shaped_nodes_train_as_two_ranks_on_one_node_and_leave_nothing(mlm_d
     assert leftovers() == []
 
 
+@needs_cluster
+@pytest.mark.slow
+def test_two_islands_as_two_nodes_train_as_two_islands_on_one_node(mlm_dataset, tmp_path):
+    """--dp-mode diloco: two simulated nodes (an island each, the default: a node's ranks) and
+    two islands of one rank on one node (--island-ranks 1) train the same losses (1e-5): the
+    islands and their syncs do not depend on where the ranks run."""
+    diloco = ("--dp-mode", "diloco", "--outer-every", "2", "--zero", "1")
+    ok(run_netsim("run", "--nodes", 2, "--procs-per-node", 1, "--rate", "200mbit", "--",
+                  "--data", mlm_dataset, "--out", tmp_path / "net", "--max-steps", 5, *TRAIN,
+                  *diloco))
+    ok(run_netsim("run", "--nodes", 1, "--procs-per-node", 2, "--rate", "none", "--", "--data",
+                  mlm_dataset, "--out", tmp_path / "local", "--max-steps", 5, *TRAIN, *diloco,
+                  "--island-ranks", 1))
+    same_losses(tmp_path / "net", tmp_path / "local")
+    for run in ("net", "local"):
+        config = json.loads((tmp_path / run / "config.json").read_text())
+        assert config["run"]["island_ranks"] == 1, run
+    assert leftovers() == []
+
+
 def leftovers() -> list[str]:
     """netsim namespaces whose tool is gone (other runs' live clusters are theirs)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -120,6 +120,9 @@ def _python(argv: list[str]) -> None:
             spec = importlib.util.find_spec(f"{argv[1]}.__main__")  # a package: its __main__
         sys.argv = [spec.origin if spec is not None else argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()
+        # run as `python -m` does: the module executes afresh as __main__ (preloaded by the
+        # zygote, it would be found imported already, and runpy warns)
+        sys.modules.pop(f"{argv[1]}.__main__", None)
         if argv[1:3] == ["app", "train"]:  # `import app.train` installs these first thing
             from app.faults import preemption
             preemption.catch()

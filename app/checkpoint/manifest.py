@@ -33,8 +33,10 @@ from data_tools.schema import NonNegativeInt, Schema, read_json
 NAME = "manifest.json"
 ALGORITHM = "xxh3_64"
 HASH_THREADS = min(8, len(os.sched_getaffinity(0)))
-# rng_rank{R}.pt is ours; DeepSpeed's ZeRO partitions are (bf16_)zero_pp_rank_{R}_mp_rank_..
-RANK_RE = re.compile(r"^rng_rank(\d+)\.pt$|(?:^|_)pp_rank_(\d+)_")
+# rng_rank{R}.pt and outer_rank{R}.pt are ours; DeepSpeed's ZeRO partitions are
+# (bf16_)zero_pp_rank_{R}_mp_rank_..
+RANK_RE = re.compile(r"^(?:rng|outer)_rank(\d+)\.pt$|(?:^|_)pp_rank_(\d+)_")
+ISLAND_RE = re.compile(r"^island(\d+)$")  # a low-communication run's island K (store.ISLAND_DIR)
 
 
 class Entry(Schema):
@@ -68,16 +70,27 @@ def checksums(paths: list[Path]) -> list[str]:
         return list(pool.map(checksum, paths))
 
 
-def writer_of(name: str) -> int:
-    """The rank that writes file `name` of a tag (0 for every file without a rank)."""
-    m = RANK_RE.search(name)
-    return int(m.group(1) or m.group(2)) if m else 0
+def writer_of(name: str, island: tuple[int, int] | None = None) -> int:
+    """The rank that writes file `name` of a tag (0 for every file without a rank). `name` may
+    be a path in the tag; under an island's directory (`islandK/`, a low-communication run with
+    `island` = (this rank's island, ranks an island)) DeepSpeed's rank numbers are the island's:
+    island K's rank r is K x size + r."""
+    parts = Path(name).parts
+    m = RANK_RE.search(parts[-1])
+    own = int(m.group(1) or m.group(2)) if m else 0
+    isle = ISLAND_RE.match(parts[0]) if len(parts) > 1 else None
+    if isle is None or island is None:
+        return own
+    return int(isle.group(1)) * island[1] + own
 
 
-def own_entries(tag_dir: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """This rank's files in `tag_dir`, hashed (call after this rank's save returned)."""
+def own_entries(tag_dir: Path, rank: int,
+                island: tuple[int, int] | None = None) -> dict[str, dict[str, Any]]:
+    """This rank's files in `tag_dir`, hashed (call after this rank's save returned).
+    `island`: (this rank's island, ranks an island) in a low-communication run."""
     files = sorted(p for p in tag_dir.rglob("*")
-                   if p.is_file() and p.name != NAME and writer_of(p.name) == rank)
+                   if p.is_file() and p.name != NAME
+                   and writer_of(str(p.relative_to(tag_dir)), island) == rank)
     return {str(p.relative_to(tag_dir)): {"size": p.stat().st_size, ALGORITHM: digest}
             for p, digest in zip(files, checksums(files))}
 

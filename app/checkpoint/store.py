@@ -44,6 +44,7 @@ from data_tools.schema import read_json
 
 LATEST = "latest"
 STATE = "train_state.json"
+ISLAND_DIR = "island"  # TAG/island{K}: island K's DeepSpeed files (--dp-mode diloco)
 TAG_RE = re.compile(r"^global_step(\d+)$")
 # What defines a sample: a resume that changed one would reinterpret `consumed_samples`.
 SAMPLE_LAYOUT = ("seq_len", "packing", "seed", "objective")
@@ -266,7 +267,8 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
     try:
         with output.writing(tag_dir, needed):
             _write(engine, ckpt_dir, tag, state, rank)
-            entries = manifest.own_entries(tag_dir, rank)  # hashed by the rank that wrote them
+            # hashed by the rank that wrote them
+            entries = manifest.own_entries(tag_dir, rank, _island(engine))
     except UserError as e:
         shutil.rmtree(tag_dir, ignore_errors=True)
         _save_failed(str(e), tag, ckpt_dir, skip_errors and world_size() == 1)
@@ -293,8 +295,12 @@ def _write(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int) -
     # `latest` is ours to write, after every rank's files are on disk and atomically: DeepSpeed
     # writes it from rank 0 before its final barrier and in place, so a job killed mid-save
     # could leave it naming a partial tag, or empty
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"train_state": state},
+    where, under = _deepspeed_dir(engine, ckpt_dir, tag)
+    engine.save_checkpoint(where, tag=under, client_state={"train_state": state},
                            save_latest=False)
+    outer = getattr(engine, "app_outer", None)
+    if outer is not None:  # this rank's slice of the global weights and its outer momentum
+        torch.save(outer.state_dict(), tag_dir / f"outer_rank{rank}.pt")
     faults.die_in_save(cast(int, step_of(tag)))  # a tag_for tag: it has a step
 
 
@@ -390,7 +396,7 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
         return universal.load(engine, tag_dir)
     check_files(tag_dir)  # a rollback reads a tag no one checked yet (a resume's: hashed once)
     state = read_state(ckpt_dir, tag)
-    here = universal.layout_of(engine.config, world_size())
+    here = universal.layout_of(engine.config, engine.dp_world_size)  # an island's, in diloco
     if not universal.saved_layout(state).loads_natively(here) or \
             universal.optimizer_switch(state, engine.config):
         if engine.global_rank == 0:
@@ -398,9 +404,11 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
         barrier()
         return universal.load(engine, universal.path_for(ckpt_dir, tag))
     own = _own_settings(engine)
+    where, under = _deepspeed_dir(engine, ckpt_dir, tag)
     try:
-        path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True,
+        path, client = engine.load_checkpoint(where, tag=under, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
+        _load_outer(engine, tag_dir)
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(f"{ckpt_dir / tag}: cannot load the checkpoint ({first[:200]})") from None
@@ -408,6 +416,35 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
         raise UserError(f"{ckpt_dir / tag}: DeepSpeed found no checkpoint to load")
     keep_own_settings(universal._base_optimizer(engine), own)
     return client["train_state"]
+
+
+def _island(engine) -> tuple[int, int] | None:
+    """(this rank's island, ranks an island) in a low-communication run, else None."""
+    from app.runtime.islands import of
+
+    found = of(engine)
+    return (found.index, found.size) if found is not None else None
+
+
+def _deepspeed_dir(engine, ckpt_dir: Path, tag: str) -> tuple[str, str]:
+    """(directory, tag) DeepSpeed saves and loads this rank's files in: the tag itself, or in a
+    low-communication run its island's own subdirectory (`TAG/islandK`), since every island
+    writes the same file names (its ranks are DeepSpeed's data-parallel ranks 0..N-1) and their
+    optimizer states differ."""
+    island = _island(engine)
+    if island is None:
+        return str(ckpt_dir), tag
+    return str(ckpt_dir / tag), f"{ISLAND_DIR}{island[0]}"
+
+
+def _load_outer(engine, tag_dir: Path) -> None:
+    """This rank's outer state (a low-communication run): its slice of the global weights and
+    the outer momentum, as saved; a checkpoint without one (a synchronous run's) leaves the
+    outer step to start a round from the loaded weights."""
+    outer = getattr(engine, "app_outer", None)
+    path = tag_dir / f"outer_rank{engine.global_rank}.pt"
+    if outer is not None and path.is_file():
+        outer.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
 
 # How a torch optimizer computes, not what it computes: torch's load_state_dict takes them from
@@ -463,10 +500,13 @@ def flat_master_groups(engine) -> list[list[str]] | None:
     return [[names[id(p)] for p in group] for group in groups]
 
 
-def consolidated_state_dict(ckpt_dir: Path, tag: str, stage: int) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(ckpt_dir: Path, tag: str, stage: int,
+                            state: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """fp32 weights of the whole model from one checkpoint tag: ZeRO 1-3 partitions consolidated
     by DeepSpeed's own zero_to_fp32; ZeRO-0 holds the whole module, in bf16/fp16 runs with the
-    fp32 masters beside it in the optimizer state (those are the weights, not their rounding)."""
+    fp32 masters beside it in the optimizer state (those are the weights, not their rounding).
+    `state`: the tag's train state, where it is not in `ckpt_dir / tag` (an island's
+    subdirectory)."""
     tag_dir = ckpt_dir / tag
     try:
         partitions = sorted(tag_dir.glob("bf16_zero_pp_rank_*_optim_states.pt"),
@@ -482,7 +522,7 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, stage: int) -> dict[str, t
         raise UserError(f"{tag_dir}: cannot read the checkpoint ({first[:200]})") from None
     weights = {k: v.float() for k, v in saved["module"].items()}
     masters = (saved.get("optimizer") or {}).get("fp32_groups_flat")
-    groups = read_state(ckpt_dir, tag).get("flat_master_groups")
+    groups = (state or read_state(ckpt_dir, tag)).get("flat_master_groups")
     if masters and groups:
         for flat, names in zip(masters, groups):
             offset = 0

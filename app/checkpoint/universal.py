@@ -132,9 +132,12 @@ def optimizer_switch(state: dict[str, Any], ds_config: dict[str, Any]) -> tuple[
 
 def saved_layout(state: dict[str, Any]) -> Layout:
     """The layout a checkpoint was written in, from its train state (no `optimizer_blocks`:
-    written before the blocks, in two groups)."""
-    return layout_of(state.get("ds_config") or {}, state["world_size"],
-                     int(state.get("optimizer_blocks", 1)))
+    written before the blocks, in two groups). Its world is DeepSpeed's data-parallel world: in
+    a low-communication run an island's ranks (--dp-mode diloco)."""
+    run = state.get("run_config") or {}
+    world = int(run["island_ranks"]) if run.get("dp_mode") == "diloco" \
+        and run.get("island_ranks") else state["world_size"]
+    return layout_of(state.get("ds_config") or {}, world, int(state.get("optimizer_blocks", 1)))
 
 
 def is_universal(tag_dir: Path) -> bool:

@@ -24,9 +24,23 @@ from data_tools.errors import UserError
 
 def run_weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     """The fp32 weights of one checkpoint tag, whatever ZeRO stage wrote it (the tag's own: a
-    run that switched stage keeps checkpoints of each, app/checkpoint/universal.py)."""
-    stage = universal.saved_layout(checkpoint.read_state(ckpt_dir, tag)).zero_stage
-    return checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
+    run that switched stage keeps checkpoints of each, app/checkpoint/universal.py). A
+    low-communication run's tag (each island's files in `islandK/`): the global weights, which
+    every island holds right after a sync; a tag saved mid-round holds only the islands'
+    diverged weights, and is refused in one line."""
+    state = checkpoint.read_state(ckpt_dir, tag)
+    stage = universal.saved_layout(state).zero_stage
+    outer = state.get("outer")
+    if outer is None:
+        return checkpoint.consolidated_state_dict(ckpt_dir, tag, stage)
+    if int(outer["synced_at"]) != int(state["step"]):
+        raise UserError(f"{ckpt_dir / tag}: saved at step {state['step']}, in the middle of a "
+                        f"--dp-mode diloco round (the islands last agreed at step "
+                        f"{outer['synced_at']}; each syncs every {outer['every']} steps): take "
+                        f"a checkpoint saved at a round's end (--save-every a multiple of "
+                        f"--outer-every; the run's last step always syncs)")
+    return checkpoint.consolidated_state_dict(ckpt_dir / tag, f"{checkpoint.ISLAND_DIR}0", stage,
+                                              state=state)
 
 
 def latest_of(run_dir: Path) -> tuple[Path, str]:

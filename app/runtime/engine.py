@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from app.runtime import gather, registry, step_guard
+from app.runtime import gather, islands, registry, step_guard
 from app.runtime.device import device_ordinal
 from app.runtime.ops import load_op, optimizer_op
 from app.runtime.overlap import GradReducer, PartitionReducer, flat_group
@@ -38,10 +38,11 @@ from app.runtime.zero2_overlap import overlap_zero2, uses_muon
 
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
                lr_lambda: Callable[[int], float], param_groups: list[dict[str, Any]],
-               patches: Iterable[str] = registry.ALL):
+               patches: Iterable[str] = registry.ALL, mpu: Any = None):
     """`deepspeed.initialize` with the optimizer from the config (over `param_groups`) and our
     LR schedule on it, then the DeepSpeed patches in `patches` that apply (app.runtime.registry;
-    `engine.app_patches` lists those that did) and the non-finite step guard."""
+    `engine.app_patches` lists those that did) and the non-finite step guard. `mpu`: DeepSpeed's
+    model-parallel unit (a low-communication run's islands: app.runtime.islands)."""
     import deepspeed
 
     guards = []
@@ -58,7 +59,7 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     # task (Slurm --gpus-per-task=1) that ordinal names no device (app.runtime.device)
     args = types.SimpleNamespace(device_rank=device_ordinal(int(os.environ.get("LOCAL_RANK", 0))))
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=param_groups,
-                                           config=ds_config, lr_scheduler=scheduler)
+                                           config=ds_config, lr_scheduler=scheduler, mpu=mpu)
     registry.adopt_deepspeed_swaps(engine)  # ZeRO-3's F.linear: undone with the engine
     install_patches(engine, frozenset(patches))
     if guards:
@@ -204,7 +205,7 @@ def _scatter_reduction(engine, zero1: bool, bf16: bool, average: bool,
     opt, group = engine.optimizer, engine.seq_data_parallel_group
     if uses_muon(opt):
         return None  # Muon reads each matrix's whole gradient, reduced
-    if bf16 and (engine.mpu is not None or opt.norm_type != 2):
+    if bf16 and (islands.model_parallel(engine) or opt.norm_type != 2):
         return None  # partitioned_bf16_norm: the 2-norm, over the data parallel ranks only
     if zero1:
         pairs = zip(opt.round_robin_bit16_groups, opt.bit16_groups_flat,
@@ -284,6 +285,13 @@ def optimizer_step(engine) -> torch.Tensor | float:
     return 0.0 if found is None else found
 
 
+def global_batch(engine) -> int:
+    """Samples an optimizer step over the whole job: DeepSpeed's batch is its data-parallel
+    world's, an island's in a low-communication run (app.runtime.islands)."""
+    found = islands.of(engine)
+    return engine.train_batch_size() * (found.count if found else 1)
+
+
 def apply_lr_schedule(engine) -> None:
     """Set every parameter group's LR from the schedule at its current step (after a rollback
     changed the schedule: the cool-down applies from the very next step)."""
@@ -304,6 +312,7 @@ def engine_facts(engine) -> dict[str, Any]:
             "grad_reduction": getattr(engine, "app_grad_reduction", None),
             "sync_free_step": getattr(engine, "app_sync_free", None),
             "patches": list(getattr(engine, "app_patches", [])),
+            "dp_mode": engine.app_outer.describe() if hasattr(engine, "app_outer") else "sync",
             "nonfinite_skip": guard.describe() if guard is not None else None}
 
 

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from app.runtime import registry
+from app.runtime.islands import model_parallel
 
 Ready = Callable[[str, Any], bool]
 
@@ -64,7 +65,7 @@ def local_fp32_clipping(engine, ready: Ready = _always) -> bool:
     divides exactly). Returns whether it was applied (not with MoE, model parallelism, a grad
     scaler, or fp16/bf16/ZeRO, which DeepSpeed clips inside its optimizer wrappers)."""
     if (engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled()
-            or getattr(engine, "has_moe_layers", False) or engine.mpu is not None
+            or getattr(engine, "has_moe_layers", False) or model_parallel(engine)
             or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
             or not ready("local_fp32_clipping", engine)):
         return False
@@ -370,7 +371,7 @@ def _install_sync_free(engine) -> None:
 def _keeps_host_checks(engine) -> bool:
     """fp16 (dynamic loss scaling skips steps on the host's word), model or expert parallelism
     (their norms are summed through the host here and there)."""
-    return engine.fp16_enabled() or engine.mpu is not None \
+    return engine.fp16_enabled() or model_parallel(engine) \
         or getattr(engine, "has_moe_layers", False)
 
 

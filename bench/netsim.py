@@ -432,7 +432,10 @@ def run_ddp(nodes: int, ppn: int, rate: int | None, delay_ms: float, args: list[
 
 # -- scale: the app's data parallelism against plain DDP on shaped links ---------------------------
 
-SYSTEMS = ("ddp", "zero0", "zero1", "zero2")
+SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "diloco")
+"""`diloco`: the app's low-communication mode (--dp-mode diloco at ZeRO-1, an island a node,
+--outer-every from `--outer-every`); its 1-node reference is the synchronous ZeRO-1 run (one
+island alone is refused), the same compute a step."""
 TCP_PAYLOAD_SHARE = 1448 / 1514
 """The share of an htb-shaped rate that carries data: htb counts each frame's 1,514 bytes
 (Ethernet header, IP and TCP headers with timestamps) for 1,448 bytes of payload (measured: an
@@ -467,8 +470,11 @@ def measure(system: str, nodes: int, rate: int | None, args: argparse.Namespace,
 
     # logged 4 times a run, as a user logs (every 10-100 steps), not every step: a log step's
     # telemetry collectives cross the shaped link, which the DDP reference has none of
+    stage = "1" if system == "diloco" else system[-1]
+    mode = ["--dp-mode", "diloco", "--outer-every", str(args.outer_every)] \
+        if system == "diloco" and nodes > 1 else []
     train = ["--data", str(args.data), "--out", str(run_dir), *model_flags(args), "--zero",
-             system[-1], "--max-steps", str(args.steps), "--log-every",
+             stage, *mode, "--max-steps", str(args.steps), "--log-every",
              str(max(1, args.steps // 4)), "--eval-samples", "1", "--save-every", "0",
              "--wandb", "disabled", "--resume", "never", "--num-workers", "0", "--overwrite",
              *args.train_args]
@@ -757,7 +763,8 @@ def plan_cell(rate: str, system: str, plan: dict, plan_steps: dict, measured: di
     return cell
 
 
-LABEL = {"ddp": "DDP", "zero0": "app ZeRO-0", "zero1": "app ZeRO-1", "zero2": "app ZeRO-2"}
+LABEL = {"ddp": "DDP", "zero0": "app ZeRO-0", "zero1": "app ZeRO-1", "zero2": "app ZeRO-2",
+         "diloco": "app diloco"}
 
 
 def plot(path: Path, eff: dict, plan: dict, rates: list[int | None]) -> None:
@@ -901,8 +908,11 @@ def add_scale_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20, help="steps a run (default 20)")
     p.add_argument("--buckets", type=int, default=8, help="DDP's gradient buckets (default 8)")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"what to measure (default {','.join(SYSTEMS)})")
+    p.add_argument("--outer-every", type=int, default=20,
+                   help="the diloco system's steps between syncs, H (default 20)")
+    p.add_argument("--systems", default=",".join(SYSTEMS[:4]),
+                   help=f"what to measure, of {','.join(SYSTEMS)} (default "
+                        f"{','.join(SYSTEMS[:4])})")
     p.add_argument("--delay", default="0", help="each link's one-way delay (default 0)")
     p.add_argument("--probe-rate", default="200mbit",
                    help="rate the calibration's all-reduce is timed at (default 200mbit)")

@@ -1,0 +1,126 @@
+"""Benchmark: what the low-communication mode costs in quality. Synchronous data parallelism and
+`--dp-mode diloco` at several H, the same model, data, global batch and steps, on one box (each
+rank an island: `--island-ranks 1`), eval loss against tokens; the issue's target: at the H the
+plan recommends, the eval loss at equal tokens within 2 % of synchronous training.
+
+    python bench/bench_lowcomm_quality.py --data D --out OUT --ranks 4 --steps 2000 \\
+        --outer-every 20,50,100 -- --model bert-tiny --model-arg hidden_size=256 ...
+
+Every run goes through launch.sh (the real launcher, `--procs-per-node RANKS`), one after
+another; OUT/quality.json has every run's eval losses, OUT/quality.md the table (the last eval's
+loss per run and its difference from sync's), OUT/quality.png the curves.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from data_tools.errors import UserError  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--ranks", type=int, default=4, help="ranks, one island each (default 4)")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps a run (default 2000)")
+    p.add_argument("--outer-every", default="20,50,100", help="the H values (default 20,50,100)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--zero", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds a run")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_ARGS")
+    args = p.parse_args()
+    args.train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    args.hs = [int(h) for h in args.outer_every.split(",") if h]
+    if args.ranks < 2 or args.steps < 1 or not args.hs or min(args.hs) < 1:
+        raise UserError("--ranks at least 2, --steps and every --outer-every at least 1")
+    return args
+
+
+def run(name: str, mode: list[str], args: argparse.Namespace) -> dict:
+    out = args.out / "runs" / name
+    cmd = ["bash", str(REPO / "launch.sh"), "--procs-per-node", str(args.ranks), "--",
+           "--data", str(args.data), "--out", str(out), "--max-steps", str(args.steps),
+           "--eval-every", str(args.eval_every), "--log-every", str(args.eval_every),
+           "--save-every", "0", "--wandb", "disabled", "--resume", "never", "--overwrite",
+           "--zero", str(args.zero), *mode, *args.train_args]
+    print(f"quality: {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    start = time.time()
+    with open(out.with_suffix(".log"), "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+    if proc.returncode != 0:
+        return {"name": name, "error": f"exit {proc.returncode} (log {out.with_suffix('.log')})"}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    evals = [(r["tokens_seen"], r["eval/loss"]) for r in rows if "eval/loss" in r]
+    return {"name": name, "mode": mode, "wall_s": round(time.time() - start, 1),
+            "evals": evals}
+
+
+def table(runs: list[dict]) -> str:
+    sync = next(r for r in runs if r["name"] == "sync")
+    base = dict(sync["evals"])
+    lines = ["| run | last eval loss | vs sync at equal tokens | mean gap over the evals | wall |",
+             "|---|---|---|---|---|"]
+    for r in runs:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['error']} | | | |")
+            continue
+        tokens, loss = r["evals"][-1]
+        gaps = [(x / base[t] - 1) for t, x in r["evals"] if t in base and t > 0]
+        ref = base.get(tokens)
+        lines.append(f"| {r['name']} | {loss:.4f} | {loss / ref - 1:+.2%} | "
+                     f"{sum(gaps) / max(len(gaps), 1):+.2%} | {r['wall_s']:.0f} s |"
+                     if ref else f"| {r['name']} | {loss:.4f} | - | - | {r['wall_s']:.0f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, runs: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        if "error" not in r:
+            xs, ys = zip(*r["evals"])
+            ax.plot([x / 1e6 for x in xs], ys, "-", label=r["name"])
+    ax.set_xlabel("tokens, millions")
+    ax.set_ylabel("eval loss")
+    ax.legend()
+    ax.set_title("Synchronous against --dp-mode diloco (bench/bench_lowcomm_quality.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    try:
+        args = parse()
+    except UserError as e:
+        print(f"bench_lowcomm_quality: error: {e}", file=sys.stderr)
+        return 2
+    (args.out / "runs").mkdir(parents=True, exist_ok=True)
+    runs = [run("sync", [], args)]
+    for h in args.hs:
+        runs.append(run(f"diloco-H{h}", ["--dp-mode", "diloco", "--island-ranks", "1",
+                                         "--outer-every", str(h)], args))
+        (args.out / "quality.json").write_text(json.dumps({"runs": runs}, indent=1))
+    text = table(runs)
+    (args.out / "quality.json").write_text(json.dumps({"command": shlex.join(sys.argv),
+                                                       "runs": runs}, indent=1))
+    (args.out / "quality.md").write_text(text)
+    plot(args.out / "quality.png", runs)
+    print(text, end="")
+    return 0 if all("error" not in r for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -126,6 +126,11 @@ class Workload:
     """attn_implementation="eager": S x S scores are always stored."""
     optimizer: str = "adamw"
     """Sizes the optimizer states (OPTIMIZER_STATE_BYTES)."""
+    outer_state: int = 0
+    """Bytes a parameter of the rank's 1/world slice the low-communication mode's outer step
+    keeps (app.runtime.outer: the fp32 global weights and the Nesterov momentum, 8; `world` is
+    then an island's ranks); 0 for synchronous data parallelism. Counted with the optimizer
+    states."""
 
     @property
     def moments(self) -> int:
@@ -332,6 +337,8 @@ def plan_memory(shape: ModelShape, size: ModelSize, setup: ZeroSetup, work: Work
     p, w = size.parameters, PRECISION_BYTES[work.precision]
     states = model_state_bytes(p, setup.stage, work.world, work.precision, setup.offload,
                                work.moments)
+    if work.outer_state and not setup.offload:
+        states["optimizer"] += work.outer_state * p // work.world
     if device.host_is_device and setup.stage == 3 and not setup.offload:
         # measured, not derived: ZeRO-3's steps on a CPU host peak about 4P (fp32) above the
         # terms here (tests/test_plan.py); not the build, which is partitioned (zero.Init) and

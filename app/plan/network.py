@@ -55,13 +55,18 @@ overlaps), split into forward (measured, or 1 - backward_fraction) and backward:
 
 Each term and the measurements behind the constants: docs/plan.md, "What hides behind compute"
 and "The primitives, measured on the simulated cluster".
+
+The low-communication mode (`LowComm`, `--dp-mode diloco`): the synchronous model above at an
+island's world, plus every H steps a blocking outer sync (`outer_sync`: a ring all-reduce of the
+weights' pseudo-gradients across islands, each island rank its 1/N slice, then the island's
+all-gather), amortised over H: docs/plan.md, "Low-communication data parallelism".
 """
 from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from math import ceil
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from app.runtime.overlap import (
     block_starts,
@@ -566,6 +571,9 @@ class StepTime:
     parts: list[dict[str, Any]] = field(default_factory=list)
     cpu_comm_ms: float = 0.0
     """The part of `exposed_comm_ms` that is the node's core working for the collectives."""
+    outer_ms: float = 0.0
+    """Low-communication mode: one outer sync end to end (`OuterSync.ms`), of which the step
+    carries 1/H in `comm_ms` and `exposed_comm_ms`; 0 for synchronous data parallelism."""
 
     @property
     def step_ms(self) -> float:
@@ -721,17 +729,203 @@ class Job:
                          self.link, self.compute_ms, self.grad_accum, self.backward_fraction,
                          self.step_ms, self.forward_ms)
 
+    def node_bytes(self, nodes: int) -> int:
+        """Bytes one node sends over its inter-node link per optimizer step at `nodes`."""
+        return node_bytes(self.collectives(nodes * self.per_node), nodes, self.grad_accum)
+
     def scaling(self, nodes: int, tokens_per_step_per_device: int) -> list[dict[str, Any]]:
         """tokens/s and efficiency (tokens/s per device against one node's) at 1, 2, 4 ... N."""
-        rows, base = [], None
-        for m in node_counts(nodes):
-            t = self.at(m)
-            tps = m * self.per_node * tokens_per_step_per_device / (t.step_ms / 1000)
-            base = base or tps
-            rows.append({"nodes": m, "devices": m * self.per_node, "step_ms": t.step_ms,
-                         "exposed_comm_ms": t.exposed_comm_ms, "tokens_per_sec": tps,
-                         "efficiency": tps / (m * base)})
-        return rows
+        return scaling_rows(self.at, self.at(1), self.per_node, nodes,
+                            tokens_per_step_per_device)
+
+
+def scaling_rows(at: Callable[[int], StepTime], one: StepTime, per_node: int, nodes: int,
+                 tokens_per_step_per_device: int) -> list[dict[str, Any]]:
+    """tokens/s and efficiency at 1, 2, 4 ... N nodes of `at(nodes)`'s steps; efficiency is
+    tokens/s per device against one node's at step `one` (a synchronous node: the same
+    reference for every mode), which is one.step_ms / step_ms."""
+    rows = []
+    base = per_node * tokens_per_step_per_device / (one.step_ms / 1000)
+    for m in node_counts(nodes):
+        t = at(m)
+        tps = m * per_node * tokens_per_step_per_device / (t.step_ms / 1000)
+        rows.append({"nodes": m, "devices": m * per_node, "step_ms": t.step_ms,
+                     "exposed_comm_ms": t.exposed_comm_ms, "tokens_per_sec": tps,
+                     "efficiency": tps / (m * base)})
+    return rows
+
+
+# -- Low-communication data parallelism (`--dp-mode diloco`) ------------------------------------
+
+DP_MODES = ("sync", "diloco")
+"""`sync`: every rank in one DeepSpeed data-parallel group (all of the above). `diloco`: islands
+of ranks train synchronously inside; every H optimizer steps the islands average their
+pseudo-gradients over the slow link and take an outer Nesterov step (DiLoCo, Douillard et al.
+2023, arXiv:2311.08105)."""
+OUTER_DTYPES = ("fp32", "bf16")
+"""The outer sync's exchange dtype (`--outer-dtype`): the global weights and the outer step stay
+fp32 either way."""
+OUTER_EVERY_CANDIDATES = (10, 20, 50, 100, 200, 500)
+"""The H the plan predicts (with the user's --outer-every): from DiLoCo's default of 500 (8
+islands, its paper's main runs) down by about 2.5x a step, to 10, the modes table's view of how
+the outer sync's cost grows as H falls."""
+MIN_OUTER_EVERY = 20
+"""The smallest H the plan recommends unless told otherwise (`--min-outer-every`). Quality
+depends on H (and on the islands and the outer learning rate), and the plan does not predict
+it: DiLoCo trained at H = 500 with 8 islands and found the loss rising with H over the values it
+swept (50 up to thousands), so the plan takes the smallest H that reaches the efficiency target.
+Small H is not free either: the outer Nesterov step (DiLoCo's learning rate 0.7, momentum 0.9)
+was tuned for H in the hundreds, and at a handful of inner steps its momentum acts on nearly
+every step's update on top of AdamW's. The issue's quality target is set at H >= 20. The
+evidence for a given model is the quality benchmark in docs/benchmarks.md (eval loss against
+tokens, synchronous against several H, same global batch), not this constant."""
+TARGET_EFFICIENCY = 0.9
+"""The efficiency a recommended mode reaches at the planned node count: the share of the step
+the devices compute (compute / step: tokens/s per device against a node that communicates
+nothing), so exposed communication at most 10% of the step (the issue's target for the
+low-communication mode, and the synchronous recommendation's rule before it)."""
+OUTER_MESSAGE_US = 0.0
+"""Per message (ring step) of the outer all-reduce, on top of the link's own latency
+(`Link.inter_latency_us`): what a torch.distributed all-reduce over the islands' `across` group
+costs beyond its bytes (its launch outside DeepSpeed's buckets, the pseudo-gradient's copy into
+the send buffer, the outer step on the slice). Not yet measured: 0 until the runtime's
+outer-sync telemetry (its time against its bytes at two or more rates) refits it."""
+LOW_COMM_STAGES = (0, 1, 2)
+"""The ZeRO stages `app train --dp-mode diloco` runs (app/settle.py refuses ZeRO-3, offload and
+fp16: a rank's slice is its fp32 masters, whole at ZeRO-0, its partition at ZeRO-1/2)."""
+
+
+def island_shape(nodes: int, per_node: int, island_ranks: int) -> tuple[int, int, int]:
+    """(islands, an island's nodes, an island's ranks on one node) for islands of
+    `island_ranks` consecutive ranks on `nodes` x `per_node`: a divisor of a node's ranks, or
+    whole nodes. A world smaller than an island is one island; in a world that is not a whole
+    number of islands (the scaling rows between 1 and N nodes) the count is rounded down."""
+    world = nodes * per_node
+    n = min(max(island_ranks, 1), world)
+    return max(1, world // n), max(1, ceil(n / per_node)), min(n, per_node)
+
+
+@dataclass(frozen=True)
+class OuterSync:
+    """One outer sync of a low-communication job: blocking, nothing overlaps it."""
+
+    ms: float
+    """The all-reduce across islands, the all-gather inside the island, and the CPU a node's
+    core spends on their bytes (`Link.cpu_ms_per_mb`). The runtime logs its own as
+    `outer/sync_ms` (app.runtime.outer), against which OUTER_MESSAGE_US is to be refitted."""
+    node_bytes: int
+    """Bytes one node sends over its inter-node link per sync."""
+    cpu_ms: float = 0.0
+    parts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def outer_sync(params: int, nodes: int, per_node: int, island_ranks: int, link: Link,
+               outer_dtype: str = "fp32", gather_bytes: int = 4) -> OuterSync:
+    """One outer sync at `nodes` x `per_node` ranks in islands of `island_ranks`.
+
+    Rank r of every island holds slice r (1/N of the B = outer dtype x P bytes) and all-reduces
+    it with the ranks at its place in the other islands (app.runtime.islands' `across` group):
+    N rings of B/N bytes side by side. Where k islands share a node, each ring is hierarchical
+    as in `collective_ms` (k members over the device links, then the ring's nodes); the node's
+    link carries its ranks' slices, so with one island a node it carries the whole
+    2(I-1)/I x B (I islands), with an island over j nodes 1/j of that. Latency: 2(k-1) intra
+    steps and 2(nodes of a ring - 1) inter steps of `link`'s latency plus OUTER_MESSAGE_US.
+    Then the island all-gathers the updated weights, `gather_bytes` a parameter, over its own
+    links (the node's devices, and its other nodes where it spans several): as app.runtime.outer
+    does it, the fp32 slices at ZeRO-0 (4), the model's weights at ZeRO-1/2 (DeepSpeed's own
+    gather of its partitions: 2 in bf16 runs)."""
+    islands, island_nodes, here = island_shape(nodes, per_node, island_ranks)
+    if islands <= 1:
+        return OuterSync(0.0, 0)
+    ranks = island_nodes * here
+    total = DTYPE_BYTES[outer_dtype] * params
+    piece = total / ranks  # each rank's slice
+    k = max(1, per_node // ranks) if island_nodes == 1 else 1  # a ring's members on one node
+    ring_nodes = max(1, islands // k)
+    sent = 2 * (ring_nodes - 1) / ring_nodes * piece * here
+    seconds = (2 * (k - 1) / k * piece / (link.intra_gbps * 1e9 / 8)
+               + sent / (link.inter_gbps * 1e9 / 8))
+    latency_us = (2 * (k - 1) * link.intra_latency_us
+                  + 2 * (ring_nodes - 1) * (link.inter_latency_us + OUTER_MESSAGE_US))
+    reduce_ms = 1000 * seconds + latency_us / 1000
+    gather = Collective("all-gather", "global weights", gather_bytes * params, 1, False,
+                        "outer", False)
+    gather_ms = collective_ms(gather, island_nodes, here, link)
+    node = int(sent) + node_bytes([gather], island_nodes)
+    cpu = link.cpu_ms_per_mb * node / 1e6
+    parts = [{"kind": "all-reduce", "what": "pseudo-gradients", "bytes": total,
+              "buckets": 1, "per_micro_step": False, "phase": "outer", "overlapped": False,
+              "ms_each": reduce_ms},
+             {"kind": "all-gather", "what": "global weights", "bytes": gather.nbytes,
+              "buckets": 1, "per_micro_step": False, "phase": "outer", "overlapped": False,
+              "ms_each": gather_ms}]
+    return OuterSync(reduce_ms + gather_ms + cpu, node, cpu, parts)
+
+
+@dataclass(frozen=True)
+class LowComm:
+    """A low-communication (DiLoCo) job: islands of `island_ranks` train `job`'s stage, batch
+    and compute synchronously inside (its collectives at the island's world, over the island's
+    links: the node's devices, or its nodes where it spans several); every `outer_every`
+    optimizer steps, `outer_sync`, not overlapped with the inner steps (the runtime's first
+    version blocks), so exposed whole and amortised over H steps:
+
+        step = inner step (the synchronous model at the island's world) + outer sync / H
+    """
+
+    job: Job
+    """The synchronous job of the same stage, batch, link and compute; `per_node` the node's
+    devices."""
+    island_ranks: int
+    outer_every: int
+    outer_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.island_ranks < 1:
+            raise UserError(f"--island-ranks {self.island_ranks}: must be at least 1")
+        if self.outer_every < 1:
+            raise UserError(f"--outer-every {self.outer_every}: must be at least 1")
+        if self.outer_dtype not in OUTER_DTYPES:
+            raise UserError(f"--outer-dtype {self.outer_dtype}: expected "
+                            f"{' or '.join(OUTER_DTYPES)}")
+
+    def inner(self, nodes: int) -> tuple[Job, int]:
+        """(the island's synchronous job, the island's nodes) at `nodes`."""
+        _, island_nodes, here = island_shape(nodes, self.job.per_node, self.island_ranks)
+        return replace(self.job, per_node=here), island_nodes
+
+    @property
+    def runs(self) -> bool:
+        """Whether `app train` runs the mode at this stage and precision (LOW_COMM_STAGES)."""
+        return self.job.stage in LOW_COMM_STAGES and self.job.precision != "fp16"
+
+    def outer(self, nodes: int) -> OuterSync:
+        gather = 4 if self.job.stage == 0 else DTYPE_BYTES[self.job.precision]
+        return outer_sync(self.job.params, nodes, self.job.per_node, self.island_ranks,
+                          self.job.link, self.outer_dtype, gather)
+
+    def at(self, nodes: int, inner: StepTime | None = None) -> StepTime:
+        """The step at `nodes` (`inner`: the island's step, where already known)."""
+        if inner is None:
+            job, island_nodes = self.inner(nodes)
+            inner = job.at(island_nodes)
+        sync, h = self.outer(nodes), self.outer_every
+        parts = inner.parts + [dict(p, times_per_step=1 / h) for p in sync.parts]
+        return StepTime(inner.compute_ms, inner.comm_ms + sync.ms / h,
+                        inner.exposed_comm_ms + sync.ms / h, parts,
+                        inner.cpu_comm_ms + sync.cpu_ms / h, sync.ms)
+
+    def node_bytes(self, nodes: int) -> int:
+        """Bytes one node sends over its inter-node link per optimizer step, on average: the
+        island's own (where it spans nodes) and 1/H of an outer sync's."""
+        job, island_nodes = self.inner(nodes)
+        return job.node_bytes(island_nodes) + round(self.outer(nodes).node_bytes
+                                                    / self.outer_every)
+
+    def scaling(self, nodes: int, tokens_per_step_per_device: int) -> list[dict[str, Any]]:
+        """As `Job.scaling`, against one synchronous node's tokens/s."""
+        return scaling_rows(self.at, self.job.at(1), self.job.per_node, nodes,
+                            tokens_per_step_per_device)
 
 
 def predict_step(*, params: int, nodes: int, net_gbps: float, compute_ms: float, stage: int,
@@ -740,24 +934,37 @@ def predict_step(*, params: int, nodes: int, net_gbps: float, compute_ms: float,
                  precision: str = "fp32", comm_dtype: str | None = None, grad_accum: int = 1,
                  device: str = "gpu", overlapped: bool | None = None,
                  backward_fraction: float = BACKWARD_FRACTION,
-                 buckets: dict[str, int] | None = None, zero3_gathers: int = 2) -> dict[str, Any]:
+                 buckets: dict[str, int] | None = None, zero3_gathers: int = 2,
+                 cpu_ms_per_mb: float = 0.0, dp_mode: str = "sync",
+                 outer_every: int | None = None, island_ranks: int | None = None,
+                 outer_dtype: str = "fp32") -> dict[str, Any]:
     """One optimizer step of a data-parallel job on `nodes` x `gpus_per_node` devices.
 
     params: parameters (P); net_gbps/net_latency_us: the inter-node link per node (a tc-shaped
     veth: its rate and delay); compute_ms: one step's compute measured on one node (all
     `grad_accum` micro steps); device "cpu" looks up the CPU rows of OVERLAPPED; `overlapped`
-    overrides both the reduction's and the gathers' entry. Returns comm_ms, exposed_comm_ms,
-    step_ms, compute_ms, efficiency (1-node step over this one), node_bytes (sent per node per
-    step) and the collectives."""
+    overrides both the reduction's and the gathers' entry; cpu_ms_per_mb: the core's CPU per MB
+    a node sends (`Link.cpu_ms_per_mb`). dp_mode "diloco": islands of `island_ranks` (default:
+    a node's devices) with an outer sync every `outer_every` steps in `outer_dtype` (`LowComm`).
+    Returns comm_ms, exposed_comm_ms, step_ms, compute_ms, efficiency (the 1-node synchronous
+    step over this one), node_bytes (sent per node per step, on average), outer_sync_ms (one
+    outer sync; 0 when synchronous) and the collectives."""
     overlap = None if overlapped is None else Overlap(overlapped, overlapped)
     job = Job(stage=stage, params=params, per_node=gpus_per_node,
-              link=Link(net_gbps, net_latency_us, intra_gbps, intra_latency_us),
+              link=Link(net_gbps, net_latency_us, intra_gbps, intra_latency_us, cpu_ms_per_mb),
               compute_ms=compute_ms, grad_accum=grad_accum, precision=precision,
               comm_dtype=comm_dtype, device=device, overlap=overlap,
               backward_fraction=backward_fraction, buckets=dict(buckets or {}),
               zero3_gathers=zero3_gathers)
-    t, one = job.at(nodes), job.at(1)
+    if dp_mode not in DP_MODES:
+        raise UserError(f"--dp-mode {dp_mode}: expected {' or '.join(DP_MODES)}")
+    mode = None
+    if dp_mode == "diloco":
+        if outer_every is None:
+            raise UserError("--dp-mode diloco: give --outer-every H")
+        mode = LowComm(job, island_ranks or gpus_per_node, outer_every, outer_dtype)
+    t, one = (mode or job).at(nodes), job.at(1)
     return {"comm_ms": t.comm_ms, "exposed_comm_ms": t.exposed_comm_ms, "step_ms": t.step_ms,
             "compute_ms": t.compute_ms, "efficiency": one.step_ms / t.step_ms,
-            "node_bytes": node_bytes(job.collectives(nodes * gpus_per_node), nodes, grad_accum),
+            "node_bytes": (mode or job).node_bytes(nodes), "outer_sync_ms": t.outer_ms,
             "path": path_of(stage, precision), "collectives": t.parts}

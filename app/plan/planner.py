@@ -4,8 +4,10 @@ For ZeRO 0, 1, 2, 3 and 3 + offload: bytes per device by term (app.plan.memory),
 batch that fits, the global batch, tokens/s and step time at an assumed MFU (app.telemetry.flops,
 app.telemetry.hardware), days and cost to train the token budget, and which stage to pick; then
 the network (app.plan.network): communication per step, the part compute does not hide, step time
-and scaling efficiency from 1 to N nodes, and the micro batch / gradient accumulation / stage that
-hides the communication. Formulas: docs/plan.md. Nothing is downloaded or allocated: the model is
+and scaling efficiency from 1 to N nodes, synchronous or in the low-communication mode
+(`--dp-mode diloco`: islands, an outer sync every H steps), each mode's best within a global batch
+bound (tokens per optimizer step), and the mode, H, stage, micro batch and gradient accumulation
+to run. Formulas: docs/plan.md. Nothing is downloaded or allocated: the model is
 built on PyTorch's meta device to count its parameters.
 """
 from __future__ import annotations
@@ -35,8 +37,26 @@ from app.telemetry import hardware
 from app.telemetry.flops import flops_per_token, head_fraction
 from data_tools.errors import UserError
 
+MiB = 2 ** 20
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal tokens per parameter
 DEFAULT_GPU = "H100-SXM"
+MAX_GLOBAL_BATCH_TOKENS = {"mlm": 8192 * 512, "clm": 4 * 2 ** 20}
+"""Tokens per optimizer step the network recommendation never exceeds, by objective, unless
+--max-global-batch-tokens says otherwise: the largest global batches published models of each
+kind trained well with AdamW, a ceiling rather than a target. MLM: RoBERTa's 8K sequences of
+512 tokens, 4.2 M tokens (Liu et al. 2019, arXiv:1907.11692: its Table 3 has 2K and 8K
+sequences both ahead of BERT's 256 at equal compute, and it trained at 8K); past that, BERT
+needed LAMB (You et al. 2019, arXiv:1904.00962: 32K-64K sequences). CLM: Llama's and Llama
+2's 4 M tokens at every size (Touvron et al. 2023, arXiv:2302.13971 and arXiv:2307.09288),
+above GPT-3's 0.5 M (125M-760M) to 3.2 M (175B) (Brown et al. 2020, arXiv:2005.14165, Table
+2.1): a small model's critical batch is below it. Without the bound the plan hid a slow link
+by growing the batch (bert-350m on 128 nodes at 25 Gb/s: 200 M tokens a step), which no
+optimizer settings make train well."""
+DEFAULT_MAX_GLOBAL_BATCH_TOKENS = 4 * 2 ** 20
+"""An objective not in MAX_GLOBAL_BATCH_TOKENS."""
+OUTER_STATE_BYTES = 8
+"""The low-communication mode's outer state a parameter of a rank's slice (app.runtime.outer:
+the fp32 global weights and the outer Nesterov momentum)."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +129,25 @@ class PlanRequest:
     net_cpu_ms_per_mb: float | None = None
     """CPU ms a rank's core spends per MB its node sends (default: network.GLOO_CPU_MS_PER_MB
     with --device-kind cpu, else 0)."""
+    dp_mode: str = "sync"
+    """The data parallelism the per-stage tables show: "sync" (one DeepSpeed group over the
+    world) or "diloco" (islands, an outer sync every --outer-every steps: network.LowComm)."""
+    outer_every: int | None = None
+    """H, optimizer steps between outer syncs (--dp-mode diloco; default: the recommended)."""
+    island_ranks: int | None = None
+    """Ranks an island (default: --gpus-per-node, one node's)."""
+    outer_dtype: str = "fp32"
+    """The outer sync's exchange dtype."""
+    min_outer_every: int = network.MIN_OUTER_EVERY
+    """The smallest H the recommendation may take."""
+    max_global_batch_tokens: float | None = None
+    """Tokens per optimizer step no recommendation exceeds (default: MAX_GLOBAL_BATCH_TOKENS
+    for the model's objective)."""
 
     def __post_init__(self) -> None:
+        for name, value in vars(self).items():  # inf passes `> 0` and breaks the arithmetic
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"--{_flag(name)} {value}: must be a finite number")
         self._check_network()
         for name in ("seq_len", "grad_accum", "gpus"):
             _positive(name, getattr(self, name))
@@ -132,6 +169,7 @@ class PlanRequest:
         if self.gpus_per_node and self.gpus % min(self.gpus_per_node, self.gpus):
             raise UserError(f"--gpus {self.gpus}: not a multiple of --gpus-per-node "
                             f"{self.gpus_per_node}")
+        self._check_low_comm()
 
     def _check_network(self) -> None:
         if self.nodes is not None:
@@ -165,6 +203,40 @@ class PlanRequest:
                             f"{self.forward_ms or 0:g} x {self.grad_accum} micro steps: leaves "
                             f"no backward in --compute-ms {self.compute_ms:g}")
 
+    def _check_low_comm(self) -> None:
+        if self.dp_mode not in network.DP_MODES:
+            raise UserError(f"--dp-mode {self.dp_mode!r}: expected "
+                            f"{' or '.join(network.DP_MODES)}")
+        if self.outer_dtype not in network.OUTER_DTYPES:
+            raise UserError(f"--outer-dtype {self.outer_dtype!r}: expected "
+                            f"{' or '.join(network.OUTER_DTYPES)}")
+        for name in ("outer_every", "island_ranks"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        _positive("min_outer_every", self.min_outer_every)
+        if self.outer_every is not None and self.dp_mode != "diloco":
+            raise UserError(f"--outer-every {self.outer_every}: the low-communication mode's; "
+                            f"give --dp-mode diloco too")
+        if self.island_ranks is not None:
+            n, g, world = self.island_ranks, self.per_node, self.network_nodes * self.per_node
+            if g % n if n <= g else n % g:
+                raise UserError(f"--island-ranks {n}: the plan models an island as a divisor "
+                                f"of a node's {g} device(s) (--gpus-per-node) or whole nodes "
+                                f"(a multiple of it)")
+            for what, ranks in (("--gpus", self.gpus), ("--nodes x --gpus-per-node", world)):
+                if ranks % n:
+                    raise UserError(f"--island-ranks {n}: {what} {ranks} is not a whole number "
+                                    f"of islands")
+        tokens = self.max_global_batch_tokens
+        if tokens is not None:
+            least = self.network_nodes * self.per_node * self.seq_len
+            if not tokens > 0:
+                raise UserError(f"--max-global-batch-tokens {tokens:g}: must be positive")
+            if tokens < least:
+                raise UserError(f"--max-global-batch-tokens {tokens:g}: below one sample a "
+                                f"device ({self.network_nodes * self.per_node:,} devices x "
+                                f"seq-len {self.seq_len} = {least:,} tokens)")
+
     @property
     def per_node(self) -> int:
         return min(self.gpus_per_node or 8, self.gpus)
@@ -172,6 +244,17 @@ class PlanRequest:
     @property
     def network_nodes(self) -> int:
         return self.nodes or math.ceil(self.gpus / self.per_node)
+
+    @property
+    def island(self) -> int:
+        """Ranks an island of the low-communication mode."""
+        return self.island_ranks or self.per_node
+
+    @property
+    def memory_world(self) -> int:
+        """The ranks ZeRO partitions over: the world, or an island in the low-communication
+        mode (DeepSpeed's data-parallel group there)."""
+        return self.island if self.dp_mode == "diloco" else self.gpus
 
 
 def _flag(name: str) -> str:
@@ -322,7 +405,9 @@ class StageNetwork:
     """False without a compute time (no peak TFLOP/s, no --compute-ms): only comm_ms holds."""
     scaling: list[dict[str, Any]]
     node_bytes: int
-    """Bytes a node sends over its inter-node link per optimizer step."""
+    """Bytes a node sends over its inter-node link per optimizer step (on average)."""
+    mode: network.LowComm | None = None
+    """The low-communication mode the figures are for (None: synchronous)."""
 
 
 def compute_ms(req: PlanRequest, micro: int, grad_accum: int, peak: float | None,
@@ -379,15 +464,21 @@ def network_job(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, net: Networ
 
 
 def plan_network(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, stage: StagePlan,
-                 net: NetworkSetup, peak: float | None, fpt: float) -> StageNetwork:
-    dtype = req.comm_dtype or app_comm_dtype(setup.stage, req.precision)
+                 net: NetworkSetup, peak: float | None, fpt: float,
+                 outer_every: int | None = None, comm_dtype: str | None = None
+                 ) -> StageNetwork:
+    """A stage's figures at the table's micro batch, synchronous or, given `outer_every`, in
+    the low-communication mode."""
+    dtype = comm_dtype or req.comm_dtype or app_comm_dtype(setup.stage, req.precision)
     compute = compute_ms(req, stage.micro_batch, req.grad_accum, peak, fpt)
     job = network_job(req, info, setup, net, stage.micro_batch, req.grad_accum, compute, dtype)
-    rows = (job.scaling(net.nodes, stage.micro_batch * req.grad_accum * req.seq_len)
+    mode = (network.LowComm(job, req.island, outer_every, req.outer_dtype)
+            if outer_every is not None else None)
+    what = mode or job
+    rows = (what.scaling(net.nodes, stage.micro_batch * req.grad_accum * req.seq_len)
             if compute is not None else [])
-    return StageNetwork(job, dtype, job.at(net.nodes), compute is not None, rows,
-                        network.node_bytes(job.collectives(net.nodes * req.per_node), net.nodes,
-                                           req.grad_accum))
+    return StageNetwork(job, dtype, what.at(net.nodes), compute is not None, rows,
+                        what.node_bytes(net.nodes), mode)
 
 
 _LAYOUTS: dict[tuple[str, float], tuple[network.Grad, ...]] = {}
@@ -435,56 +526,240 @@ def _layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ...]:
     return tuple(network.Grad(p.numel(), ready[id(p)], needed[id(p)]) for p in reversed(params))
 
 
-HIDDEN_SHARE = 0.10
-"""Communication counts as hidden when its exposed part is at most this share of the step."""
 MAX_GRAD_ACCUM = 64
 
 
-def _candidates(largest: int) -> list[int]:
-    """Micro batches to try: powers of two within memory, and the largest that fits."""
-    return sorted({m for m in (2 ** i for i in range(20)) if m <= largest} | {largest})
+def max_global_batch_tokens(req: PlanRequest, info: ModelInfo) -> int:
+    """--max-global-batch-tokens, else the objective's default (MAX_GLOBAL_BATCH_TOKENS)."""
+    if req.max_global_batch_tokens is not None:
+        return int(req.max_global_batch_tokens)
+    return MAX_GLOBAL_BATCH_TOKENS.get(info.objective, DEFAULT_MAX_GLOBAL_BATCH_TOKENS)
+
+
+def _candidates(largest: int, also: int | None = None) -> list[int]:
+    """Micro batches to try: powers of two within memory, the largest that fits, and `also`
+    (the requested micro batch) where it fits."""
+    extra = {also} if also and also <= largest else set()
+    return sorted({m for m in (2 ** i for i in range(20)) if m <= largest} | {largest} | extra)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run the job on the planned network: a mode, a stage and a batch, with its
+    predicted optimizer step at the planned node count."""
+
+    dp_mode: str
+    outer_every: int | None
+    setup: ZeroSetup
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    """Samples per optimizer step, all devices."""
+    global_batch_tokens: int
+    t: network.StepTime
+    scaling_efficiency: float
+    """Tokens/s per device against one synchronous node's at the same batch, as the per-stage
+    tables (network.scaling_rows)."""
+    tokens_per_sec: float
+    node_bytes: int
+    """Bytes a node sends over its inter-node link per optimizer step, on average."""
+
+    @property
+    def efficiency(self) -> float:
+        """The share of the step the devices compute: tokens/s per device against a node that
+        communicates nothing. At most `scaling_efficiency` (a real node's step communicates
+        too), and not raised by a batch that slows one node as well (ZeRO-2 at micro batch 1
+        reduces over the node's devices every micro step)."""
+        return self.t.compute_ms / self.t.step_ms
+
+    def to_json(self, req: PlanRequest) -> dict[str, Any]:
+        low = self.dp_mode == "diloco"
+        return {"dp_mode": self.dp_mode, "outer_every": self.outer_every,
+                "island_ranks": req.island if low else None,
+                "outer_dtype": req.outer_dtype if low else None,
+                "zero": self.setup.label, "zero_stage": self.setup.stage,
+                "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                "global_batch": self.global_batch,
+                "global_batch_tokens": self.global_batch_tokens, "step_ms": self.t.step_ms,
+                "comm_ms": self.t.comm_ms, "exposed_comm_ms": self.t.exposed_comm_ms,
+                "outer_sync_ms": self.t.outer_ms if low else None,
+                "efficiency": self.efficiency,
+                "scaling_efficiency": self.scaling_efficiency,
+                "tokens_per_sec": self.tokens_per_sec,
+                "node_bytes_per_step": self.node_bytes,
+                "reaches_target": self.efficiency >= network.TARGET_EFFICIENCY}
+
+
+@dataclass(frozen=True)
+class NetworkChoice:
+    """The network recommendation: the pick, why, and each mode's best within the bound."""
+
+    pick: Option | None
+    lines: tuple[str, ...]
+    """Why, a line or two."""
+    modes: list[Option]
+    """Synchronous at each stage, then the low-communication mode at each H: each at its
+    fastest stage and batch within memory and the bound (`modes_of`)."""
+    bound: int
+    """The global batch bound, tokens per optimizer step."""
+    outer_every: int | None = None
+    """The H for a --dp-mode diloco table without --outer-every: the pick's, else the smallest
+    that reaches the target, else the largest tried."""
+
+    @property
+    def reason(self) -> str:
+        return " ".join(self.lines)
+
+
+def outer_every_candidates(req: PlanRequest) -> list[int]:
+    """The H the plan predicts: network.OUTER_EVERY_CANDIDATES, the user's --outer-every and
+    the floor --min-outer-every (so that one at least may be recommended)."""
+    extra = {req.outer_every} if req.outer_every else set()
+    return sorted(set(network.OUTER_EVERY_CANDIDATES) | extra | {req.min_outer_every})
+
+
+def search_options(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup],
+                   largest: dict[str, list[int]], net: NetworkSetup, peak: float | None,
+                   fpt: float, dtypes: list[str], bound: int) -> list[Option]:
+    """Every mode, stage (not offload), micro batch (powers of two, the largest that fits and
+    the requested) and accumulation (1, 2, 4 ... 64) within memory (`largest`: per mode, the
+    largest micro batch per stage, ZeRO partitioning over the world or over an island) and the
+    global batch bound, with its step at `net.nodes` nodes. The low-communication mode where
+    `app train` runs it (two islands or more, ZeRO 0-2, not fp16: LowComm.runs); at each H it
+    shares the batch's island step, only the outer sync's share changes with H."""
+    world = net.nodes * req.per_node
+    cap = bound // (world * req.seq_len)  # samples a device per optimizer step
+    every = outer_every_candidates(req) if world // req.island > 1 else []  # one island: sync
+    out = []
+    for i, setup in enumerate(setups):
+        top = min(max(largest["sync"][i], largest["diloco"][i]), cap)
+        if setup.offload or top < 1:
+            continue
+        for micro in _candidates(top, req.micro_batch):
+            gas = 1
+            while gas <= MAX_GRAD_ACCUM and micro * gas <= cap:
+                job = network_job(req, info, setup, net, micro, gas,
+                                  compute_ms(req, micro, gas, peak, fpt), dtypes[i])
+                one = job.at(1)
+                tokens = micro * gas * req.seq_len  # a device's, per optimizer step
+
+                def option(mode: str, h: int | None, t: network.StepTime, sent: int,
+                           setup: ZeroSetup = setup, micro: int = micro, gas: int = gas,
+                           tokens: int = tokens, one: network.StepTime = one) -> Option:
+                    return Option(mode, h, setup, micro, gas, micro * gas * world,
+                                  tokens * world, t, one.step_ms / t.step_ms,
+                                  world * tokens / t.step_ms * 1000, sent)
+
+                if micro <= largest["sync"][i]:
+                    out.append(option("sync", None, job.at(net.nodes), job.node_bytes(net.nodes)))
+                low = network.LowComm(job, req.island, 1, req.outer_dtype)
+                if every and low.runs and micro <= largest["diloco"][i]:
+                    island, island_nodes = low.inner(net.nodes)
+                    inner = (one if island.per_node == job.per_node and island_nodes == 1
+                             else island.at(island_nodes))
+                    for h in every:
+                        mode = replace(low, outer_every=h)
+                        out.append(option("diloco", h, mode.at(net.nodes, inner),
+                                          mode.node_bytes(net.nodes)))
+                gas *= 2
+    return out
 
 
 def recommend_network(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup],
-                      stages: list[StagePlan], net: NetworkSetup, peak: float | None,
-                      fpt: float, dtypes: list[str]) -> str:
-    """The smallest batch per device (micro batch x accumulation, within memory) at which a
-    stage's exposed communication is at most HIDDEN_SHARE of the step at `net.nodes` nodes."""
+                      largest: dict[str, list[int]], net: NetworkSetup, peak: float | None,
+                      fpt: float, dtypes: list[str]) -> NetworkChoice:
+    """Mode, H, stage and batch within the global batch bound (efficiency: `Option.efficiency`,
+    compute over the step). Synchronous data parallelism where some stage and batch reaches
+    network.TARGET_EFFICIENCY at `net.nodes` nodes (the smallest batch per device that does,
+    then `best_of`); else the low-communication mode at the smallest H, at least
+    --min-outer-every, that reaches it (quality falls as H grows: network.MIN_OUTER_EVERY), at
+    its smallest batch there; else the fastest of either, said so."""
+    bound = max_global_batch_tokens(req, info)
+    world = net.nodes * req.per_node
+    where = (f"{net.link.inter_gbps:g} Gb/s per node, {net.nodes} node(s), global batch at "
+             f"most {bound:,} tokens")
     if compute_ms(req, 1, 1, peak, fpt) is None:
-        return "no compute time to hide behind (give --gpu NAME, --peak-tflops or --compute-ms)"
-    best = fallback = None  # rows: ((samples per device, -tokens/s, stage), label, micro, gas, t)
-    for i, (setup, stage) in enumerate(zip(setups, stages)):
-        if setup.offload or stage.max_micro_batch < 1:
-            continue
-        for micro in _candidates(stage.max_micro_batch):
-            gas = 1
-            while gas <= MAX_GRAD_ACCUM:
-                job = network_job(req, info, setup, net, micro, gas,
-                                  compute_ms(req, micro, gas, peak, fpt), dtypes[i])
-                t = job.at(net.nodes)
-                tps = net.nodes * req.per_node * micro * gas * req.seq_len / t.step_ms * 1000
-                key = (micro * gas, -tps, i)
-                row = (key, setup.label, micro, gas, t)
-                if t.exposed_comm_ms <= HIDDEN_SHARE * t.step_ms:
-                    best = min(best, row) if best else row
-                    break
-                fallback = min(fallback, row, key=lambda r: r[0][1]) if fallback else row
-                gas *= 2
-    return _network_reason(req, net, best, fallback)
+        return NetworkChoice(None, ("no compute time to hide behind (give --gpu NAME, "
+                                    "--peak-tflops or --compute-ms)",), [], bound)
+    if bound < world * req.seq_len:
+        return NetworkChoice(None, (f"{where}: the bound is below one sample a device "
+                                    f"({world:,} x seq-len {req.seq_len}); raise "
+                                    f"--max-global-batch-tokens",), [], bound)
+    options = search_options(req, info, setups, largest, net, peak, fpt, dtypes, bound)
+    if not options:
+        return NetworkChoice(None, (f"{where}: no stage but ZeRO-3 + offload fits (its PCIe "
+                                    f"traffic is not modelled)",), [], bound)
+    target = network.TARGET_EFFICIENCY
+    sync = [o for o in options if o.dp_mode == "sync"]
+    low = [o for o in options if o.dp_mode == "diloco" and o.outer_every is not None
+           and o.outer_every >= req.min_outer_every]
+    sync_ok = [o for o in sync if o.efficiency >= target]
+    low_ok = [o for o in low if o.efficiency >= target]
+    if sync_ok:
+        pick = smallest_batch(sync_ok)
+    elif low_ok:
+        h = min(o.outer_every or 0 for o in low_ok)
+        pick = smallest_batch([o for o in low_ok if o.outer_every == h])
+    else:
+        pick = best_of(sync + low) or options[0]
+    every = (pick.outer_every if pick.dp_mode == "diloco" else
+             min((o.outer_every or 0 for o in low_ok),
+                 default=max((o.outer_every or 0 for o in low), default=0)) or None)
+    return NetworkChoice(pick, _choice_reason(req, where, pick, best_of(sync)), modes_of(
+        options, setups, outer_every_candidates(req)), bound, every)
 
 
-def _network_reason(req: PlanRequest, net: NetworkSetup, best, fallback) -> str:
-    where = f"{net.link.inter_gbps:g} Gb/s per node, {net.nodes} node(s)"
-    if best is None and fallback is None:
-        return f"{where}: no stage fits"
-    (_, tps_neg, _), label, micro, gas, t = best or fallback
-    share = t.exposed_comm_ms / t.step_ms
-    what = (f"{label} at micro batch {micro} x grad accum {gas}" + (
-        " hides the communication" if best else
-        f" comes closest (nothing within grad accum {MAX_GRAD_ACCUM} hides it)"))
-    return (f"{where}: {what}: exposed {share:.0%} of a {t.step_ms:,.0f} ms step, "
-            f"{-tps_neg:,.0f} tokens/s, global batch "
-            f"{micro * gas * net.nodes * req.per_node:,} samples")
+NEAR = 0.01
+"""Options within this share of the fastest's tokens/s count as equally fast (the model is not
+finer than that)."""
+
+
+def best_of(options: list[Option]) -> Option | None:
+    """The fastest (tokens/s); among those within NEAR of it, the lowest stage (the least
+    traffic and memory copied), then the fewest micro steps."""
+    if not options:
+        return None
+    top = max(o.tokens_per_sec for o in options)
+    return min((o for o in options if o.tokens_per_sec >= (1 - NEAR) * top),
+               key=lambda o: (o.setup.stage, o.grad_accum, o.micro_batch))
+
+
+def smallest_batch(options: list[Option]) -> Option:
+    """The smallest batch per device (micro batch x accumulation), then `best_of`."""
+    least = min(o.micro_batch * o.grad_accum for o in options)
+    return best_of([o for o in options if o.micro_batch * o.grad_accum == least]) or options[0]
+
+
+def modes_of(options: list[Option], setups: list[ZeroSetup], every: list[int]) -> list[Option]:
+    """Synchronous at each stage, then the low-communication mode at each H (its best stage),
+    each at its fastest batch within the bound."""
+    rows = [best_of([o for o in options if o.dp_mode == "sync" and o.setup == s])
+            for s in setups]
+    rows += [best_of([o for o in options if o.dp_mode == "diloco" and o.outer_every == h])
+             for h in every]
+    return [r for r in rows if r is not None]
+
+
+def _choice_reason(req: PlanRequest, where: str, pick: Option,
+                   sync: Option | None) -> tuple[str, ...]:
+    """The pick in a line; where it is the low-communication mode, a second: what synchronous
+    data parallelism reaches at best, and that quality depends on H."""
+    target = network.TARGET_EFFICIENCY
+    mode = ("synchronous" if pick.dp_mode == "sync" else
+            f"diloco, an outer sync every {pick.outer_every} steps (islands of {req.island}, "
+            f"{req.outer_dtype})")
+    first = (f"{where}: " + ("" if pick.efficiency >= target else
+                             f"nothing reaches efficiency {target:g}; closest: ")
+             + f"{mode}, {pick.setup.label} at micro batch {pick.micro_batch} x grad accum "
+             f"{pick.grad_accum}: efficiency {pick.efficiency:.2f}, {pick.t.step_ms:,.0f} ms a "
+             f"step, {pick.tokens_per_sec:,.0f} tokens/s, {pick.node_bytes / MiB:,.1f} MB per "
+             f"node per step, global batch {pick.global_batch_tokens:,} tokens.")
+    if pick.dp_mode == "sync" or sync is None:
+        return (first,)
+    return first, (f"Synchronous at best: {sync.efficiency:.2f} ({sync.setup.label} at micro "
+                   f"batch {sync.micro_batch} x grad accum {sync.grad_accum}, "
+                   f"{sync.node_bytes / MiB:,.1f} MB per node per step). Quality depends on H "
+                   f"(at least {req.min_outer_every} here): docs/benchmarks.md.")
 
 
 def _gb(n: float) -> str:
@@ -518,18 +793,24 @@ class Plan:
     networks: list[StageNetwork]
     """Per stage, in the order of `stages`."""
     net_reason: str
-    """The micro batch / accumulation / stage that hides the communication (one sentence)."""
+    """The mode, H, stage, micro batch and accumulation recommended (a sentence or two)."""
+    choice: NetworkChoice | None = None
 
 
 def workload_for(req: PlanRequest, info: ModelInfo, seq_len: int | None = None,
-                 gpus: int | None = None) -> Workload:
+                 gpus: int | None = None, outer_state: int | None = None) -> Workload:
+    """One device's workload; ZeRO partitions over `gpus` (default: `req.memory_world`, the
+    world or, in the low-communication mode, an island), and `outer_state` bytes a parameter of
+    the rank's slice are the outer step's (default: --dp-mode's)."""
     hidden, attn = dropout_flags(info.config)
     return Workload(seq_len=seq_len or req.seq_len, micro_batch=1, precision=req.precision,
-                    world=gpus or req.gpus, devices_per_node=req.per_node,
+                    world=gpus or req.memory_world, devices_per_node=req.per_node,
                     checkpointing=req.checkpointing,
                     head_fraction=head_fraction(info.objective, req.mask_prob),
                     hidden_dropout=hidden, attention_dropout=attn,
-                    eager_attention=req.attn == "eager", optimizer=req.optimizer)
+                    eager_attention=req.attn == "eager", optimizer=req.optimizer,
+                    outer_state=(OUTER_STATE_BYTES if req.dp_mode == "diloco" else 0)
+                    if outer_state is None else outer_state)
 
 
 def make_plan(req: PlanRequest, info: ModelInfo | None = None,
@@ -559,11 +840,20 @@ def make_plan(req: PlanRequest, info: ModelInfo | None = None,
     pick, reason = recommend(stages, req.micro_batch)
     fpt = flops_per_token(info.shape, req.seq_len, head_fraction(info.objective, req.mask_prob))
     net = network_setup(req, acc.name if acc else None)
-    nets = [plan_network(req, info, su, st, net, peak, fpt) for su, st in zip(setups, stages)]
-    net_reason = recommend_network(req, info, setups, stages, net, peak, fpt,
-                                   [n.comm_dtype for n in nets])
+    largest = {mode: [s.max_micro_batch for s in stages] if mode == req.dp_mode else
+               [max_micro_batch(info.shape, info.size, su,
+                                workload_for(req, info, gpus=world, outer_state=outer), device,
+                                budget) for su in setups]
+               for mode, world, outer in (("sync", req.gpus, 0),
+                                          ("diloco", req.island, OUTER_STATE_BYTES))}
+    dtypes = [req.comm_dtype or app_comm_dtype(su.stage, req.precision) for su in setups]
+    choice = recommend_network(req, info, setups, largest, net, peak, fpt, dtypes)
+    every = ((req.outer_every or choice.outer_every or req.min_outer_every)
+             if req.dp_mode == "diloco" else None)
+    nets = [plan_network(req, info, su, st, net, peak, fpt, every, dtype)
+            for su, st, dtype in zip(setups, stages, dtypes)]
     return Plan(req, info, device, acc.name if acc else None, budget, peak, tokens, fpt, stages,
-                pick, reason, net, nets, net_reason)
+                pick, reason, net, nets, choice.reason, choice)
 
 
 def nothing_fits(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup],
@@ -604,7 +894,7 @@ def _fits(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup], device: De
 
 def to_json(plan: Plan) -> dict[str, Any]:
     """The plan as JSON-able data (bytes as integers, per device unless named otherwise)."""
-    req, info = plan.request, plan.info
+    req, info, choice = plan.request, plan.info, plan.choice
     stages = []
     for i, s in enumerate(plan.stages):
         m = s.memory
@@ -649,8 +939,21 @@ def to_json(plan: Plan) -> dict[str, Any]:
                     "step_ms": req.step_ms, "forward_ms": req.forward_ms,
                     "overlap_fraction": req.overlap_fraction, "device_kind": req.device_kind,
                     "net_cpu_ms_per_mb": cpu_ms_per_mb(req),
-                    "recommendation": plan.net_reason},
+                    "dp_mode": req.dp_mode, "outer_every": _table_every(plan),
+                    "island_ranks": req.island, "outer_dtype": req.outer_dtype,
+                    "min_outer_every": req.min_outer_every,
+                    "max_global_batch_tokens": choice.bound if choice else None,
+                    "target_efficiency": network.TARGET_EFFICIENCY,
+                    "recommendation": plan.net_reason,
+                    "pick": choice.pick.to_json(req) if choice and choice.pick else None,
+                    "modes": [o.to_json(req) for o in choice.modes] if choice else []},
     }
+
+
+def _table_every(plan: Plan) -> int | None:
+    """The H the per-stage tables are for (None: synchronous)."""
+    modes = [n.mode for n in plan.networks if n.mode is not None]
+    return modes[0].outer_every if modes else None
 
 
 def _network_json(n: StageNetwork) -> dict[str, Any]:
@@ -663,6 +966,10 @@ def _network_json(n: StageNetwork) -> dict[str, Any]:
             "compute_ms": at.compute_ms if n.timed else None,
             "tokens_per_sec": last.get("tokens_per_sec"), "efficiency": last.get("efficiency"),
             "node_bytes_per_step": n.node_bytes, "collectives": at.parts,
+            "dp_mode": "diloco" if n.mode else "sync",
+            "outer_every": n.mode.outer_every if n.mode else None,
+            "outer_sync_ms": at.outer_ms if n.mode else None,
+            "runs_in_train": n.mode.runs if n.mode else True,
             "scaling": n.scaling}
 
 
@@ -705,10 +1012,37 @@ def render_network(plan: Plan) -> list[str]:
     lines = [f"network: {link.inter_gbps:,g} Gb/s per node, {link.inter_latency_us:g} us per "
              f"ring step ({source}); {link.intra_gbps:,g} Gb/s between a node's devices; "
              f"{net.nodes} node(s) x {req.per_node}; {compute}"]
+    every = _table_every(plan)
+    if every is not None:
+        lines.append(f"mode: diloco, islands of {req.island} rank(s) (ZeRO partitions over an "
+                     f"island), an outer sync of the {req.outer_dtype} weights every {every} "
+                     f"steps, blocking" + ("" if req.outer_every else ", H as recommended")
+                     + "; app train runs it at ZeRO 0-2 in fp32 or bf16")
     rows = _network_rows(plan)
     width = max(len(r[0]) for r in rows)
     lines += [f"{label:<{width}}" + "".join(f"{c:>13}" for c in cells) for label, cells in rows]
-    return lines + ["", f"network pick: {plan.net_reason}"]
+    why = plan.choice.lines if plan.choice else (plan.net_reason,)
+    return lines + render_modes(plan) + ["", f"network pick: {why[0]}", *why[1:]]
+
+
+def render_modes(plan: Plan) -> list[str]:
+    """Each mode's fastest within the bound: synchronous per stage, diloco per H."""
+    choice = plan.choice
+    if choice is None or not choice.modes:
+        return []
+    req = plan.request
+    default = "" if req.max_global_batch_tokens else (
+        f" (the {plan.info.objective} default; --max-global-batch-tokens sets it)")
+    head = ("mode", "ZeRO", "micro x accum", "step (ms)", "efficiency", "MB/node/step")
+    rows = [head] + [(
+        "sync" if o.dp_mode == "sync" else f"diloco H={o.outer_every}"
+        + (" (below min)" if (o.outer_every or 0) < req.min_outer_every else ""),
+        o.setup.label, f"{o.micro_batch} x {o.grad_accum}", f"{o.t.step_ms:,.1f}",
+        f"{o.efficiency:.2f}", f"{o.node_bytes / MiB:,.1f}") for o in choice.modes]
+    width = max(len(r[0]) for r in rows)
+    return ["", f"modes at {plan.net.nodes} node(s), each at its fastest batch within "
+            f"{choice.bound:,} tokens a step{default}:"] + [
+        f"{r[0]:<{width}}" + f"{r[1]:>8}" + "".join(f"{c:>15}" for c in r[2:]) for r in rows]
 
 
 def _network_rows(plan: Plan) -> list[tuple[str, list[str]]]:
@@ -721,12 +1055,18 @@ def _network_rows(plan: Plan) -> list[tuple[str, list[str]]]:
         return f"{v:,.1f}"
 
     timed = [x.timed for x in nets]
+    every = _table_every(plan)
     rows = [
-        (f"per optimizer step, {n} node(s)",
+        (f"per optimizer step, {n} node(s)" + (f", diloco H={every}" if every else ""),
          [s.memory.setup.label.replace(" + offload", "+off") for s in plan.stages]),
         row("gradient comm dtype", [x.comm_dtype for x in nets], str),
-        row("GB sent per node", [x.node_bytes for x in nets], _gb),
+        row("GB sent per node" + (" (mean)" if every else ""), [x.node_bytes for x in nets],
+            _gb),
         row("communication (ms)", [x.at_nodes.comm_ms for x in nets], ms),
+    ] + ([row("outer sync, each (ms)", [x.at_nodes.outer_ms for x in nets], ms),
+          row("app train runs it", [x.mode and x.mode.runs for x in nets],
+              lambda v: "yes" if v else "no")]
+         if every else []) + [
         row("exposed (ms)", [x.at_nodes.exposed_comm_ms if t else None
                              for x, t in zip(nets, timed)], ms),
         row("step time (ms)", [x.at_nodes.step_ms if t else None for x, t in zip(nets, timed)],
@@ -844,6 +1184,22 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     a("--net-cpu-ms-per-mb", type=float, metavar="MS", help="CPU ms a rank's own core spends "
       "per MB its node sends, taken from compute (default: "
       f"{network.GLOO_CPU_MS_PER_MB:g}, gloo's measured, with --device-kind cpu; else 0)")
+    a("--dp-mode", default="sync", choices=network.DP_MODES, help="the data parallelism the "
+      "per-stage tables show: sync (one group over the world, default) or diloco (islands "
+      "synchronous inside, an outer sync every --outer-every steps); the recommendation "
+      "weighs both")
+    a("--outer-every", type=int, metavar="H", help="diloco: optimizer steps between outer "
+      "syncs (default: the recommended)")
+    a("--island-ranks", type=int, metavar="N", help="diloco: ranks an island, a divisor of "
+      "--gpus-per-node or whole nodes (default: --gpus-per-node)")
+    a("--outer-dtype", default="fp32", choices=network.OUTER_DTYPES, help="diloco: the outer "
+      "sync's exchange dtype (default fp32)")
+    a("--min-outer-every", type=int, default=network.MIN_OUTER_EVERY, metavar="H",
+      help=f"the smallest H the plan recommends (default {network.MIN_OUTER_EVERY}: quality "
+      "depends on H; docs/plan.md)")
+    a("--max-global-batch-tokens", type=float, metavar="T", help="tokens per optimizer step "
+      "no recommendation exceeds (default: " + ", ".join(
+          f"{k} {v:,}" for k, v in MAX_GLOBAL_BATCH_TOKENS.items()) + ")")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -885,8 +1241,9 @@ def write_plot(plan: Plan, path: str) -> None:
                 else "o-", color=f"C{i}", label=stage.memory.setup.label)
     ax.axhline(1.0, color="gray", linestyle=":", label="ideal")
     link = plan.net.link
+    every = _table_every(plan)
     ax.set_title(f"{plan.request.model}: predicted scaling efficiency, "
-                 f"{link.inter_gbps:g} Gb/s per node")
+                 f"{link.inter_gbps:g} Gb/s per node" + (f", diloco H={every}" if every else ""))
     ax.set_xlabel(f"nodes ({plan.request.per_node} device(s) each)")
     ax.set_ylabel("efficiency (tokens/s per device against one node)")
     ax.set_xscale("log", base=2)

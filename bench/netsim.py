@@ -623,7 +623,7 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def plan_scaling(args: argparse.Namespace, compute: tuple[float, ...], rate: int | None,
-                 help_text: str) -> dict[str, float] | None:
+                 help_text: str, extra: tuple[str, ...] = ()) -> dict[str, float] | None:
     """The planner's predicted 2-node efficiency per ZeRO stage at `rate` (`app plan
     --compute-ms M --net-gbps G --nodes 2 --json`), or None when it says nothing usable.
     `compute`: the measured 1-node step, and where the run logged them its optimizer step and
@@ -634,7 +634,7 @@ def plan_scaling(args: argparse.Namespace, compute: tuple[float, ...], rate: int
     compute_ms, step_ms, forward_ms = (*compute, None, None)[:3]
     cmd = [sys.executable, "-m", "app", "plan", *model_flags(args), "--gpus", "2",
            "--gpus-per-node", "1", "--nodes", "2", "--compute-ms", f"{compute_ms:.1f}",
-           "--net-gbps", f"{(rate or 100e9) * TCP_PAYLOAD_SHARE / 1e9:g}", "--json"]
+           "--net-gbps", f"{(rate or 100e9) * TCP_PAYLOAD_SHARE / 1e9:g}", "--json", *extra]
     for flag, value in (("--precision", "fp32"), ("--device-kind", "cpu"),
                         ("--vocab-size", str(load_manifest(args.data)["vocab_size"])),
                         ("--step-ms", step_ms and f"{step_ms:.1f}"),
@@ -696,6 +696,7 @@ def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
         if r["nodes"] == 1 and r["system"] != "ddp" and r.get("step_time_ms"):
             ones.setdefault(r["system"], []).append(r)
     own = {s: one_node_compute(v) for s, v in ones.items()}
+    diloco_compute = own.get("diloco") or own.get("zero1")  # its 1-node run: sync ZeRO-1
     if "zero0" in own:
         own = {s: own.get(s, own["zero0"]) for s in ("zero0", "zero1", "zero2")}
     eff: dict = {}
@@ -708,6 +709,15 @@ def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
                     value = got.get(key, {}).get(stage)
                     if value is not None:
                         into.setdefault(rate_text(rate), {})[stage] = value
+        if "diloco" in args.systems and "--dp-mode" in help_text and diloco_compute:
+            # the low-communication mode at ZeRO-1, its compute its 1-node run's (sync ZeRO-1)
+            got = plan_scaling(args, diloco_compute, rate, help_text,
+                               ("--dp-mode", "diloco", "--outer-every", str(args.outer_every))
+                               ) or {}
+            for key, into in (("efficiency", eff), ("step_ms", step)):
+                value = got.get(key, {}).get("zero1")
+                if value is not None:
+                    into.setdefault(rate_text(rate), {})["diloco"] = value
     return eff, step
 
 
@@ -739,7 +749,7 @@ def table(eff: dict, plan: dict, rates: list[int | None], comm: dict,
     systems = list(eff)
     head = ["rate", "all-reduce / 1-node step", *[LABEL.get(s, s) for s in systems]]
     if plan:
-        head += [f"plan {LABEL[s]}" for s in ("zero0", "zero1", "zero2")]
+        head += [f"plan {LABEL[s]}" for s in PLANNED if s in systems or s != "diloco"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rate in map(rate_text, rates):
         cells = [rate, f"{comm[rate]:.2f}" if rate in comm else "-"]
@@ -748,7 +758,8 @@ def table(eff: dict, plan: dict, rates: list[int | None], comm: dict,
             cells.append(f"{statistics.median(v):.2f} ({', '.join(f'{x:.2f}' for x in v)})"
                          if v else "failed")
         if plan:
-            cells += [plan_cell(rate, s, plan, *steps) for s in ("zero0", "zero1", "zero2")]
+            cells += [plan_cell(rate, s, plan, *steps) for s in PLANNED
+                      if s in systems or s != "diloco"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -763,6 +774,7 @@ def plan_cell(rate: str, system: str, plan: dict, plan_steps: dict, measured: di
     return cell
 
 
+PLANNED = ("zero0", "zero1", "zero2", "diloco")  # the systems the plan predicts
 LABEL = {"ddp": "DDP", "zero0": "app ZeRO-0", "zero1": "app ZeRO-1", "zero2": "app ZeRO-2",
          "diloco": "app diloco"}
 

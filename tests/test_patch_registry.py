@@ -295,6 +295,14 @@ def test_deepspeeds_own_path_trains_the_same_losses_as_the_patched_one(mlm_datas
     assert _losses(tmp_path / "all-z0-bf16") == _losses(tmp_path / "nounfused-z0-bf16")
 
 
+# ZeRO-1 in bf16 over two ranks: the app's reduce-scatter hands each rank only its partition, so
+# BF16_Optimizer's clipping norm is summed from per-rank parts (patches.partitioned_bf16_norm)
+# where DeepSpeed takes every parameter's norm whole: the same value to ~1e-7, a clip coefficient
+# an fp32 ulp or two apart, which flips some bf16 roundings of the weights. Measured over these
+# 6 steps: 1.8e-5 (tests/test_overlap.py saw 1.0e-4 by step 3 once); fp32 stays within 1e-5.
+BF16_SCATTER = 2e-4
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(1800)
@@ -324,10 +332,12 @@ def test_two_ranks_none_and_all_agree_and_a_nan_gradient_is_skipped(mlm_dataset,
     for z, p in grid:
         a, b = _losses(tmp_path / f"none-z{z}-{p}"), _losses(tmp_path / f"all-z{z}-{p}")
         worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in a)
-        assert a.keys() == b.keys() and worst <= 1e-5, (z, p, worst)
+        tolerance = BF16_SCATTER if (z, p) == (1, "bf16") else 1e-5
+        assert a.keys() == b.keys() and worst <= tolerance, (z, p, worst)
         if (z, p) in ((1, "fp32"), (1, "bf16"), (2, "fp32")):
             c = _losses(tmp_path / f"nccl-z{z}-{p}")
-            assert max(abs(a[s] - c[s]) / abs(a[s]) for s in a) <= 1e-5, (z, p)
+            tolerance = BF16_SCATTER if p == "bf16" else 1e-5
+            assert max(abs(a[s] - c[s]) / abs(a[s]) for s in a) <= tolerance, (z, p)
     for z1 in ("all-z1-fp32", "all-z1-bf16"):  # DeepSpeedZeroOptimizer, BF16_Optimizer
         applied = results[z1][1]["patches"]
         assert {"partition_reduce", "param_gather", "gloo_pairwise"} <= set(applied), applied

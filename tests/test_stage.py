@@ -242,9 +242,13 @@ def test_four_concurrent_stagers_copy_once(tmp_path):
     """Four processes (every local rank of a node) start at the same instant: one copies."""
     src = make_dataset(tmp_path / "src", shards=4, docs_per_shard=40, doc_tokens=50_000)
     dst = tmp_path / "dst"
-    start_at = time.time() + 2.0  # after all four have imported
-    code = ("import sys, time; from data_tools.__main__ import main; import data_tools.stage; "
-            f"time.sleep(max(0.0, {start_at} - time.time())); "
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    # each starts once all four have imported (a fixed start time was missed by a process still
+    # importing on a loaded box, which then found the copy done: no overlap to see)
+    code = ("import os, sys, time; from data_tools.__main__ import main; import data_tools.stage; "
+            f"open(os.path.join({str(ready)!r}, str(os.getpid())), 'w').close()\n"
+            f"while len(os.listdir({str(ready)!r})) < 4: time.sleep(0.01)\n"
             f"sys.exit(main(['stage', '--quiet', '--json', '--src', {str(src)!r}, "
             f"'--dst', {str(dst)!r}]))")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,

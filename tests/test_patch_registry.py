@@ -115,6 +115,47 @@ def test_setup_cfg_admits_only_the_verified_deepspeed():
     assert "deepspeed>=0.19.8,<0.19.9" in (REPO / "setup.cfg").read_text()
 
 
+# a DeepSpeed whose `_update_model_bit16_weights` was renamed (another release's), then the app
+CHANGED_DEEPSPEED = """import runpy, sys
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
+Z._update_model_bit16_weights_v2 = Z._update_model_bit16_weights
+del Z._update_model_bit16_weights
+Z._update_model_bit16_weights = lambda self, index, moved=None: self._update_model_bit16_weights_v2(
+    index)
+sys.argv = ["app", *sys.argv[1:]]
+sys.modules.pop("app.__main__", None)
+runpy.run_module("app", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_target_changed_before_the_app_starts_is_one_line(mlm_dataset, tmp_path):
+    """With one patch's target changed in DeepSpeed (its signature, as another release might):
+    under `all` one line names the patch and the installed DeepSpeed, the patch is left out
+    (DeepSpeed's own relink runs) and the run trains the same losses as with it; named alone,
+    the run stops with one line and exit 2 before anything is written."""
+    from tests.helpers import python, train_losses
+
+    args = ["train", "--data", mlm_dataset, *TINY, "--model", "bert-tiny", "--zero", "1",
+            "--max-steps", "4", "--log-every", "1", "--eval-every", "0", "--seed", "3"]
+    left_out = python("-c", CHANGED_DEEPSPEED, *args, "--out", tmp_path / "changed")
+    assert left_out.returncode == 0 and "Traceback" not in left_out.stderr, left_out.stderr[-2000:]
+    lines = [ln for ln in left_out.stderr.splitlines() if "DeepSpeed patch relink_only_moved" in ln]
+    assert len(lines) == 1 and "_update_model_bit16_weights takes" in lines[0] \
+        and "DeepSpeed's own path runs" in lines[0], lines
+    config = json.loads((tmp_path / "changed" / "config.json").read_text())
+    assert "relink_only_moved" not in config["engine"]["patches"]
+    reference = python("-m", "app", *args, "--out", tmp_path / "reference")
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert train_losses(tmp_path / "changed") == train_losses(tmp_path / "reference")
+    named = python("-c", CHANGED_DEEPSPEED, *args, "--out", tmp_path / "named",
+                   "--deepspeed-patches", "relink_only_moved")
+    errors = [ln for ln in named.stderr.splitlines() if ": error: " in ln]
+    assert named.returncode == 2 and len(errors) == 1 and "Traceback" not in named.stderr
+    assert "--deepspeed-patches relink_only_moved: " in errors[0] and "0.19.8" in errors[0]
+    assert not (tmp_path / "named").exists()
+
+
 # -- the step guard, on a real optimizer -------------------------------------------------------
 
 def test_the_guard_skips_a_fused_adamw_step_on_the_device():

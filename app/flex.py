@@ -147,8 +147,9 @@ _COMPILED: dict[str, Callable[..., Any]] = {}
 
 def kernel(device_type: str) -> Callable[..., Any]:
     """flex_attention, compiled once per process where app.runtime.device `flex_compiled` says
-    (the fused kernel); as it is inside a graph torch.compile is already tracing (--compile) and
-    on other devices (eager: the scores materialised, as SDPA's math path)."""
+    (the fused kernel); as it is inside a graph torch.compile is already tracing (--compile: the
+    graph's compiler fuses it) and on other devices (eager: the scores materialised, as SDPA's
+    math path)."""
     if not flex_compiled(device_type) or torch.compiler.is_compiling():
         return flex_attention
     if device_type not in _COMPILED:
@@ -158,9 +159,14 @@ def kernel(device_type: str) -> Callable[..., Any]:
 
 def runs_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 dropout: float) -> bool:
-    """Whether this call can run FlexAttention: no attention dropout, and a backward (if one
-    will be taken) on a device where torch has FlexAttention's."""
+    """Whether this call can run FlexAttention: no attention dropout, a backward (if one will be
+    taken) on a device where torch has FlexAttention's, and inside a graph torch.compile traces
+    (--compile) only where flex_attention is compiled anyway (on CPU, inductor's flex lowering
+    failed on bert-tiny's eval graph in torch 2.13: `LoweringException: ValueError: not enough
+    values to unpack`, the query a view of a matrix product)."""
     if dropout > 0:
+        return False
+    if torch.compiler.is_compiling() and not flex_compiled(query.device.type):
         return False
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     return not grad or flex_backward(query.device.type)

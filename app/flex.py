@@ -110,12 +110,15 @@ def _causal(seq: int, device: str) -> BlockMask:
 
 def flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
               kv_offset: Any = 0, mask_function: MaskMod = causal_mask_function,
-              attention_mask: torch.Tensor | None = None, device: torch.device | str = "cpu",
-              **kwargs: Any) -> BlockMask | None:
+              attention_mask: torch.Tensor | None = None,
+              device: torch.device | str | None = None, **kwargs: Any) -> BlockMask | None:
     """transformers' mask interface for FLEX (`create_causal_mask` and its kin call it with the
     family's mask function): the BlockMask of `mask_function`, and of the 2D padding mask where
     one is given (always folded in: no host read to see whether it pads); None for full
     bidirectional attention without padding (FlexAttention's default, no mask to build)."""
+    if device is None:  # transformers passes the inputs' device
+        device = attention_mask.device if attention_mask is not None \
+            else torch.get_default_device()
     no_offset = all(isinstance(o, int) and o == 0 for o in (q_offset, kv_offset))
     if attention_mask is None and mask_function is bidirectional_mask_function and no_offset:
         return None

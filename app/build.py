@@ -263,7 +263,7 @@ def describe_run(plan: Plan, engine, world: World, data_dirs: list[Path], n_para
         "run": cfg.to_dict(),
         "model": {"preset": cfg.model_name, "objective": plan.objective,
                   "parameters": n_params, "config": plan.model_config.to_dict(),
-                  "attention": {"implementation": plan.attention[0], "why": plan.attention[1]}},
+                  "attention": plan.attention[0], "attention_why": plan.attention[1]},
         "batch": {"micro_batch": engine.train_micro_batch_size_per_gpu(),
                   "grad_accum": engine.gradient_accumulation_steps(),
                   "global_batch": global_batch(engine),

@@ -24,7 +24,7 @@ from data_tools.errors import UserError
 
 RESUME_MODES = ("auto", "never")
 WANDB_MODES = ("online", "offline", "disabled")
-ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2")
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex")
 GRAD_COMM_DTYPES = ("fp32", "bf16")
 DP_MODES = ("sync", "diloco")
 OUTER_DTYPES = ("fp32", "bf16")
@@ -94,7 +94,10 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, ~30% more compute."""
     attn: str = "auto"
-    """Attention kernel: auto (flash_attention_2 if installed on GPU, else sdpa), sdpa, eager."""
+    """Attention kernel: auto (PyTorch's SDPA), sdpa, eager, flash_attention_2, or flex
+    (PyTorch's FlexAttention with block masks: compiled on CUDA, where packed documents skip
+    each other's tiles; training steps with attention dropout, and on CPU, run its mask through
+    SDPA; docs/gpu.md)."""
     compile: bool = False
     """torch.compile the model (through DeepSpeed's engine.compile). Measure it first
     (bench/gpu_mfu.py --compile): on one H200 it made bert-120m's step 1.9x slower (docs/gpu.md)."""

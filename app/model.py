@@ -34,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, MaskedLMOutput
 
 from app.data.masking import IGNORE_INDEX
+from app.flex import FLEX, FLEX_CAUSAL, causal_block_mask, document_block_mask
 from app.losses import causal_lm_loss
 from app.runtime.overlap import block_starts
 from app.runtime.zero3_init import partitioned
@@ -113,6 +114,16 @@ _DROPOUT_FIELDS = {
     "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
     "llama": ("attention_dropout",),
 }
+# The field among them that drops attention probabilities (--attn flex has no such dropout:
+# app/flex.py runs those training steps through SDPA)
+_ATTENTION_DROPOUT = {"bert": "attention_probs_dropout_prob",
+                      "roberta": "attention_probs_dropout_prob", "modernbert": "attention_dropout",
+                      "gpt2": "attn_pdrop", "llama": "attention_dropout"}
+
+
+def attention_dropout(config: PretrainedConfig) -> float:
+    """The probability the family's attention drops (0 for a family not listed)."""
+    return float(getattr(config, _ATTENTION_DROPOUT.get(config.model_type, ""), 0.0) or 0.0)
 
 
 def preset(name: str) -> Preset:
@@ -436,7 +447,9 @@ class CausalLossGPT2LMHeadModel(GPT2LMHeadModel):
       would then look for packed sequences in the position ids on the host every forward; so
       the model builds its own mask (causal_attention): none with SDPA (causal_sdpa's causal
       kernel), a 4D one for padded batches or eager attention, which transformers takes as it
-      is. Flash and other attentions keep transformers' own path (and its cache).
+      is; with --attn flex (FLEX_CAUSAL) a BlockMask handed to the attention function directly
+      (app.flex.causal_block_mask: GPT2Model reads its mask as a tensor). Flash and other
+      attentions keep transformers' own path (and its cache).
     GPT-2 takes no packed documents (PACKED_MODEL_TYPES): `position_ids`, when given, only number
     the positions. Not for generation: build the model without `for_training`.
     """
@@ -450,7 +463,11 @@ class CausalLossGPT2LMHeadModel(GPT2LMHeadModel):
                              "exported model")
         implementation = self.config._attn_implementation
         use_cache = None  # transformers' default (the config's: on)
-        if implementation in (CAUSAL_SDPA, "eager"):
+        if implementation == FLEX_CAUSAL:  # the mask goes past GPT2Model, which takes tensors
+            kwargs["block_mask"] = causal_block_mask(attention_mask, input_ids.shape[-1],
+                                                     input_ids.device)
+            attention_mask, use_cache = None, False
+        elif implementation in (CAUSAL_SDPA, "eager"):
             attention_mask = causal_attention(attention_mask, input_ids.shape[-1], implementation,
                                               self.lm_head.weight.dtype, input_ids.device)
             use_cache = False
@@ -478,17 +495,20 @@ def check_packed_attention(config: PretrainedConfig) -> None:
 
 
 def document_attention(document_ids: torch.Tensor, implementation: str, dtype: torch.dtype,
-                       window: int | None = None) -> torch.Tensor:
+                       window: int | None = None) -> Any:
     """The block-diagonal attention of packed documents ("doc-packed", app.data.packing): token i
     attends to token j when both belong to the same document (and, with `window`, when
     |i - j| <= window: a sliding-window layer). `document_ids` [batch, seq] numbers each
     window's documents from 1 (0: padding, which attends only to padding, so no row of the
     softmax is empty). A [batch, 1, seq, seq] mask, built on the device from the loader's ids (no
     host sync), that transformers passes to every layer as it is: boolean for SDPA (True =
-    attend), additive for eager attention."""
+    attend), additive for eager attention; for --attn flex FlexAttention's BlockMask of the same
+    pairs (app.flex.document_block_mask)."""
     if implementation.startswith("flash"):
         raise UserError(f"--attn {implementation}: flash-attention takes the documents' lengths "
                         f"(varlen_kwargs), not a mask")
+    if implementation == FLEX:
+        return document_block_mask(document_ids, window)
     mask = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
     if window is not None:
         at = torch.arange(document_ids.shape[1], device=document_ids.device)
@@ -563,6 +583,8 @@ def _instantiate(config: PretrainedConfig, auto, for_training: bool) -> torch.nn
             model.__class__, model.lm_head.__class__ = CausalLossGPT2LMHeadModel, LossHead
             if config._attn_implementation == "sdpa":
                 model.config._attn_implementation = CAUSAL_SDPA
+            elif config._attn_implementation == FLEX:
+                model.config._attn_implementation = FLEX_CAUSAL
     except (ImportError, ValueError) as e:  # e.g. flash_attention_2 without its package
         raise UserError(f"--attn {config._attn_implementation}: {e}".splitlines()[0]) from None
     return model

@@ -25,7 +25,14 @@ from app.checkpoint.universal import (
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
 from app.init_from import check_init_config, read_init_config
-from app.model import build_config, check_packed_attention, max_positions, parse_overrides, preset
+from app.model import (
+    attention_dropout,
+    build_config,
+    check_packed_attention,
+    max_positions,
+    parse_overrides,
+    preset,
+)
 from app.runtime.device import Device, attention_implementation, choose_attention
 from app.runtime.dist import World
 from app.runtime.ds_config import (
@@ -94,7 +101,8 @@ def plan_run(cfg: TrainConfig, device: Device, world: World) -> Plan:
     manifest = sources.manifest
     ds_path, raw_ds, precision = settle_deepspeed(cfg, device, world.is_main)
     objective, model_config = settle_model(cfg, manifest, device, precision)
-    attention = choose_attention(cfg.attn, device, precision, cfg.packing)  # probed once
+    attention = choose_attention(cfg.attn, device, precision, cfg.packing,  # probed once
+                                 attention_dropout(model_config))
     stats, eval_sources = settle_data(cfg, sources, objective, world.is_main)
     micro, accum, gbs = batch_geometry(cfg, world.world_size)
     island_ranks = settle_islands(cfg, world, raw_ds, precision)

@@ -28,9 +28,12 @@ exit status 1; on CPU (--cpu) they are informative (exit 0 unless something cras
     python bench/gpu_mfu.py [--quick] [--out DIR]        # on a GPU node; ~8 min, --quick ~2 min
     python bench/gpu_mfu.py --cpu --quick                # CI: tiny models on CPU, a few minutes
     python bench/gpu_mfu.py --probe                      # flash-attn and FusedAdam lines only
+    python bench/gpu_mfu.py --attn flex --packing doc-packed   # FlexAttention on packed documents
 
 Everything lands in DIR/gpu_mfu.json (default runs/gpu_mfu) with the profiler traces; the last
-line printed is the app / plain ratio.
+line printed is the app / plain ratio. `--json FILE` also writes the figures in short,
+`{"models": {NAME: {"mfu", "app_ms", "plain_ms", ...}}}` (MFU a fraction of the device's dense
+peak, the app side's; null where no peak is known, as on CPU).
 """
 from __future__ import annotations
 
@@ -102,6 +105,8 @@ def models_for(args) -> list[str]:
     if args.models:
         return args.models
     full = ["bert-tiny", "gpt-tiny"] if args.cpu else ["bert-120m", "bert-350m", "gpt-125m"]
+    if args.packing == "doc-packed":  # the app packs documents side by side for encoders only
+        full = [m for m in full if family(m) != "gpt"]
     return full[:1] if args.quick else full
 
 
@@ -474,7 +479,8 @@ def build_app(spec: dict[str, Any]):
                       seq_len=spec["seq_len"], micro_batch=spec["micro_batch"],
                       max_steps=spec["max_steps"], log_every=spec["block"], eval_every=0,
                       save_every=0, wandb="disabled", hang_timeout=3600, overwrite=True,
-                      zero=spec.get("zero"), compile=bool(spec.get("compile")))
+                      zero=spec.get("zero"), compile=bool(spec.get("compile")),
+                      packing=spec.get("packing", "concat"), attn=spec.get("attn", "auto"))
     return build(cfg)
 
 
@@ -631,6 +637,7 @@ def setup(built, gpu: bool) -> dict[str, Any]:
             "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
             "fused": bool(getattr(opt, "defaults", {}).get("fused")),
             "attention": getattr(plan.model_config, "_attn_implementation", None),
+            "packing": plan.cfg.packing,
             "threads": torch.get_num_threads(),
             "max_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if gpu else None}
 
@@ -660,7 +667,8 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
         tag = f"{model}-mb{micro}"
         steps = steps_a_side(g)
         spec = {**g, "model": model, "micro_batch": micro, "data": str(data),
-                "zero": args.zero, "compile": args.compile,
+                "zero": args.zero, "compile": args.compile, "packing": args.packing,
+                "attn": args.attn,
                 "run": str(out / "runs" / tag), "out": str(out), "max_steps": steps,
                 "result": str(out / f"{tag}.json")}
         spec_path = out / f"{tag}.spec.json"
@@ -682,9 +690,13 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
 
 
 def baseline_key(r: dict[str, Any]) -> tuple:
+    """BASELINES' key of a result; a run of another packing or attention than the recorded
+    (concat, SDPA) carries them at its end, so it matches no recorded run (not judged)."""
     s = r["setup"]
-    return (s["device"], r["model"], r["seq_len"], r["micro_batch"], s["precision"], s["zero"],
-            bool(r.get("compile")))
+    key = (s["device"], r["model"], r["seq_len"], r["micro_batch"], s["precision"], s["zero"],
+           bool(r.get("compile")))
+    other = (s.get("packing", "concat"), s.get("attention", "sdpa"))
+    return key if other == ("concat", "sdpa") else key + other
 
 
 def verdicts(r: dict[str, Any]) -> list[tuple[bool | None, str, str]]:
@@ -763,6 +775,20 @@ def nccl_line(b: dict[str, Any]) -> str:
             f"transport {via}{net}")
 
 
+def short_json(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """--json: per model the app side's MFU (a fraction; None where the device's peak is not
+    known, as on CPU), both sides' ms a step, and what they ran."""
+    return {"models": {r["model"]: {
+        "mfu": r["app"]["mfu"], "app_ms": r["app"]["ms_per_step"],
+        "plain_ms": r["plain"]["ms_per_step"], "plain_mfu": r["plain"]["mfu"],
+        "ratio": r["ratio"], "tokens_per_sec": r["app"]["tokens_per_sec"],
+        "seq_len": r["seq_len"], "micro_batch": r["micro_batch"],
+        "device": r["setup"]["device"], "precision": r["setup"]["precision"],
+        "zero": r["setup"]["zero"], "attention": r["setup"]["attention"],
+        "packing": r["setup"].get("packing", "concat"), "compile": bool(r.get("compile"))}
+        for r in results}}
+
+
 def ratio_line(results: list[dict[str, Any]]) -> str:
     return "app / plain = " + "; ".join(
         f"{r['ratio']:.3f} x ({r['model']}, seq {r['seq_len']} x micro {r['micro_batch']}, "
@@ -770,6 +796,8 @@ def ratio_line(results: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from app.config import ATTENTION
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true",
                    help="tiny models on CPU (CI); verdicts informative")
@@ -786,6 +814,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero", type=int, choices=range(4), help="the app's ZeRO stage (default: "
                    "the app's own choice); the plain loop is the same either way")
     p.add_argument("--compile", action="store_true", help="the app with --compile")
+    p.add_argument("--packing", default="concat", choices=("concat", "doc", "doc-packed"),
+                   help="the app's --packing, which both sides train on (default concat; "
+                   "doc-packed: encoder models only)")
+    p.add_argument("--attn", default="auto", choices=ATTENTION, help="the app's --attn, which "
+                   "both sides build the model with (default auto: SDPA)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures in short: "
+                   '{"models": {NAME: {"mfu", "app_ms", "plain_ms", ...}}}')
     p.add_argument("--strict", action="store_true", help="exit 1 on a FAIL on CPU too")
     p.add_argument("--probe", action="store_true",
                    help="print the flash-attn and FusedAdam lines only")
@@ -806,6 +841,11 @@ def main() -> int:
         raise SystemExit("gpu_mfu.py: error: no GPU visible to torch; --cpu runs tiny models "
                          "on CPU")
     g = geometry(args)
+    gpt = [m for m in models_for(args) if family(m) == "gpt"]
+    if args.packing == "doc-packed" and gpt:
+        print(f"gpu_mfu.py: error: --packing doc-packed: encoder models only ({', '.join(gpt)} "
+              f"given)", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     results, doc = [], {"mode": "cpu" if args.cpu else "gpu", "quick": args.quick,
                         "thresholds": THRESHOLDS, "slack": SLACK, "geometry": g, "models": []}
@@ -825,6 +865,9 @@ def main() -> int:
     skipped = sum(v["pass"] is None for r in results for v in r["verdicts"])
     doc["failed"] = failed
     (args.out / "gpu_mfu.json").write_text(json.dumps(doc, indent=1))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(short_json(results), indent=1) + "\n")
     print(f"{'FAIL' if failed else 'PASS'}: all judged verdicts"
           + (f" ({skipped} not judged: no recorded baseline)" if skipped else "")
           + (" (informative on CPU)" if args.cpu else "") + f"; details in {args.out}/gpu_mfu.json")

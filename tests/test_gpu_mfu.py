@@ -138,9 +138,11 @@ def test_gloo_bus_bandwidth_over_two_processes(tmp_path):
 
 @pytest.fixture(scope="module")
 def cpu_quick(tmp_path_factory):
-    """One `bench/gpu_mfu.py --cpu --quick` run (1-2 minutes) for the tests that read it."""
+    """One `bench/gpu_mfu.py --cpu --quick --json` run (1-2 minutes) for the tests that read it
+    (the acceptance check's command)."""
     out = tmp_path_factory.mktemp("gpu_mfu")
-    proc = python(REPO / "bench" / "gpu_mfu.py", "--cpu", "--quick", "--out", out, timeout=900)
+    proc = python(REPO / "bench" / "gpu_mfu.py", "--cpu", "--quick", "--out", out, "--json",
+                  out / "short" / "cpu.json", timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc, out
 
@@ -166,6 +168,45 @@ def test_cpu_quick_prints_the_ratio_last_and_writes_the_json(cpu_quick):
     assert 0 < r["busy"]["app"]["busy_pct"] <= 100 and r["busy"]["app"]["of"] == "cpu"
     assert (tmp_path / "trace-bert-tiny-app.json").exists()
     assert 0 <= r["data_wait_pct"] < 100 and r["setup"]["precision"] == "fp32"
+
+
+@pytest.mark.slow
+def test_cpu_quick_json_has_each_models_mfu_and_both_sides_ms(cpu_quick):
+    """--json FILE: {"models": {NAME: {"mfu", "app_ms", "plain_ms", ...}}}, the figures of the
+    full gpu_mfu.json in short (MFU null on CPU: no peak known there)."""
+    _, out = cpu_quick
+    short = json.loads((out / "short" / "cpu.json").read_text())["models"]
+    (r,) = json.loads((out / "gpu_mfu.json").read_text())["models"]
+    assert list(short) == ["bert-tiny"]
+    m = short["bert-tiny"]
+    assert m["app_ms"] == r["app"]["ms_per_step"] > 0 and m["plain_ms"] == r["plain"]["ms_per_step"]
+    assert m["mfu"] is None and m["ratio"] == r["ratio"]
+    assert (m["attention"], m["packing"], m["compile"]) == ("sdpa", "concat", False)
+
+
+def test_short_json_and_the_baseline_key_of_another_attention():
+    """The short form from a result, MFU as a fraction; a run with another attention or packing
+    than the recorded SDPA on concat windows matches no baseline (not judged)."""
+    r = _result("NVIDIA H200", 0.9, 96.0)
+    r["app"] = {"mfu": 0.31, "ms_per_step": 61.7, "tokens_per_sec": 5e5}
+    r["plain"] = {"mfu": 0.27, "ms_per_step": 70.3}
+    r["setup"].update(attention="sdpa", packing="concat")
+    m = gpu_mfu.short_json([r])["models"]["bert-120m"]
+    assert (m["mfu"], m["app_ms"], m["plain_ms"]) == (0.31, 61.7, 70.3)
+    assert gpu_mfu.baseline_key(r) in gpu_mfu.BASELINES
+    r["setup"].update(attention="flex", packing="doc-packed")
+    assert gpu_mfu.baseline_key(r) not in gpu_mfu.BASELINES
+    assert any(ok is None and name == "ratio" for ok, name, _ in gpu_mfu.verdicts(r))
+
+
+def test_doc_packed_with_a_decoder_is_refused_in_one_line():
+    proc = python(REPO / "bench" / "gpu_mfu.py", "--cpu", "--packing", "doc-packed",
+                  "--models", "gpt-tiny", timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == \
+        "gpu_mfu.py: error: --packing doc-packed: encoder models only (gpt-tiny given)"
+    args = gpu_mfu.parse_args(["--cpu", "--packing", "doc-packed", "--attn", "flex"])
+    assert gpu_mfu.models_for(args) == ["bert-tiny"] and args.attn == "flex"
 
 
 @pytest.mark.slow

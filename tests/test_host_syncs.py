@@ -80,7 +80,10 @@ CONFIGS = {"zero0-fp32": ["--zero", "0", "--precision", "fp32"],
            "zero1-bf16": ["--zero", "1", "--precision", "bf16"],
            "zero2-bf16": ["--zero", "2", "--precision", "bf16"],
            "zero3-bf16": ["--zero", "3", "--precision", "bf16"],
-           "zero2-bf16-accum2": ["--zero", "2", "--precision", "bf16", "--grad-accum", "2"]}
+           "zero2-bf16-accum2": ["--zero", "2", "--precision", "bf16", "--grad-accum", "2"],
+           # FlexAttention's block masks built each forward from the packed documents' ids
+           "zero1-fp32-flex-doc-packed": ["--zero", "1", "--precision", "fp32", "--packing",
+                                          "doc-packed", "--attn", "flex", "--dropout", "0"]}
 
 
 @pytest.mark.slow  # two app runs each: 30-50 s a config on the shared 2-core box

@@ -163,7 +163,7 @@ def eval_loss(root: Path, mode: str, attn: str, model: str = "bert-tiny") -> tup
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex"])
 def test_eval_loss_of_packed_documents_equals_doc(short_docs, attn, model):
     doc, doc_tokens = eval_loss(short_docs, "doc", attn, model)
     packed, packed_tokens = eval_loss(short_docs, "doc-packed", attn, model)
@@ -191,7 +191,7 @@ def test_models_without_the_plumbing_are_refused_at_start_up():
     with pytest.raises(UserError, match="not supported for gpt2 models"):
         check_packed_attention(gpt)
     for name in MODELS:
-        for attn in ("sdpa", "eager", "flash_attention_2"):
+        for attn in ("sdpa", "eager", "flash_attention_2", "flex"):
             check_packed_attention(build_config(name, vocab_size=500, special_ids={},
                                                 attn_implementation=attn))
 

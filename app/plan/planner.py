@@ -95,7 +95,7 @@ class PlanRequest:
     mask_prob: float = 0.15
     """MLM: fraction of positions the head runs on."""
     attn: str = "sdpa"
-    """sdpa/flash_attention_2 (fused: no S x S scores) or eager."""
+    """sdpa/flash_attention_2/flex (fused: no S x S scores) or eager."""
     runtime_gb: float | None = None
     """Per-device runtime memory (CUDA context, NCCL); default app.plan.memory.GPU's."""
     fragmentation: float | None = None
@@ -1141,7 +1141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--mfu", type=float, default=0.35, metavar="F", help="assumed MFU (default 0.35)")
     a("--price-per-gpu-hour", type=float, metavar="F", help="for the cost row")
     a("--mask-prob", type=float, default=0.15, metavar="F", help="MLM masked fraction")
-    a("--attn", default="sdpa", choices=("sdpa", "flash_attention_2", "eager"))
+    a("--attn", default="sdpa", choices=("sdpa", "flash_attention_2", "flex", "eager"),
+      help="the attention kernel (default sdpa); flex and flash_attention_2 are fused as SDPA is "
+      "(no S x S scores kept)")
     a("--runtime-gb", type=float, metavar="G", help="per-device runtime memory (default "
       f"{GPU.runtime_bytes / GiB:g})")
     a("--fragmentation", type=float, metavar="F", help="allowance on activations (default "

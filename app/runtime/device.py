@@ -158,9 +158,12 @@ AUTO_ATTENTION = "sdpa"
 
 
 def choose_attention(requested: str, device: Device, precision: str = "bf16",
-                     packing: str = "concat") -> tuple[str, str]:
+                     packing: str = "concat", attention_dropout: float = 0.0) -> tuple[str, str]:
     """(implementation, why) for --attn: "auto" is SDPA (AUTO_ATTENTION says why); an explicit
-    flash_attention_2 must import and run here (`flash_attention_broken`), else one line."""
+    flash_attention_2 must import and run here (`flash_attention_broken`), else one line; flex
+    says where PyTorch's FlexAttention runs (`flex_why`)."""
+    if requested == "flex":
+        return requested, flex_why(device.name, attention_dropout)
     if requested == "flash_attention_2":
         broken = flash_attention_broken(device)
         if broken:
@@ -175,6 +178,41 @@ def choose_attention(requested: str, device: Device, precision: str = "bf16",
         return AUTO_ATTENTION, f"auto: PyTorch's SDPA ({precision}, --packing {packing})"
     return AUTO_ATTENTION, ("auto: PyTorch's SDPA, whose flash backend is FlashAttention-2; the "
                             "flash-attn package is not needed (--attn flash_attention_2 to use it)")
+
+
+# FlexAttention (torch.nn.attention.flex_attention, app/flex.py) by torch device type: where
+# torch.compile turns it into one fused kernel (Triton on CUDA; the eager form materialises the
+# S x S scores as SDPA's math path does), and where torch has its backward at all (torch 2.13
+# refuses `requires_grad` inputs on CPU and MPS in flex_attention's `_validate_device`).
+FLEX_COMPILED = ("cuda",)
+FLEX_NO_BACKWARD = ("cpu", "mps")
+
+
+def flex_compiled(device_type: str) -> bool:
+    """Whether app/flex.py runs flex_attention (and create_block_mask) through torch.compile on
+    this device type: the fused kernel where torch has one; eager elsewhere (CPU: compiling it
+    needs a C++ toolchain and buys nothing for the tests it serves)."""
+    return device_type in FLEX_COMPILED
+
+
+def flex_backward(device_type: str) -> bool:
+    """Whether torch's FlexAttention takes a backward on this device type."""
+    return device_type not in FLEX_NO_BACKWARD
+
+
+def flex_why(device_type: str, attention_dropout: float = 0.0) -> str:
+    """The start-up line's reason for --attn flex on this device and model: where the
+    FlexAttention kernel runs, and where a step runs its mask through SDPA instead (no attention
+    dropout in FlexAttention; no backward on CPU)."""
+    how = "compiled" if flex_compiled(device_type) else "eager"
+    if attention_dropout > 0:
+        return (f"as asked; FlexAttention ({how}) in eval; training runs its mask through SDPA: "
+                f"FlexAttention has no attention dropout ({attention_dropout:g} here; "
+                f"--dropout 0 for its kernel)")
+    if not flex_backward(device_type):
+        return (f"as asked; FlexAttention ({how}) in eval; training runs its mask through SDPA: "
+                f"torch has no FlexAttention backward on {device_type}")
+    return f"as asked; FlexAttention ({how}) with block masks"
 
 
 _FLASH_PROBE: dict[str, str | None] = {}

@@ -31,6 +31,31 @@ PROGRESS_PREFIXES = ("reading corpus:", "prepare:", "verify:", "adopt:")
 NO_TRAINING = "DSPRETRAIN_TEST_NO_TRAINING"
 
 
+def _workers() -> int:
+    """TEST_WORKERS, else one per core up to 8 (tests/run.sh and whole-suite pytest runs)."""
+    if os.environ.get("TEST_WORKERS"):
+        return int(os.environ["TEST_WORKERS"])
+    return min(len(os.sched_getaffinity(0)), 8)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A run of the whole suite or a marked part of it (`python -m pytest`, `-m "not slow"`: no
+    file or test named) takes one pytest-xdist worker per core, each taking whole files (their
+    module fixtures train once), as tests/run.sh does. `-n N` or TEST_WORKERS=N chooses (0: this
+    process); a run that names files or tests stays in this process, which starts faster."""
+    if (config.option.numprocesses is not None or os.environ.get("PYTEST_XDIST_WORKER")
+            or not config.pluginmanager.hasplugin("xdist")
+            or config.args_source == pytest.Config.ArgsSource.ARGS
+            or config.option.collectonly or config.getoption("usepdb", False)):
+        return
+    workers = _workers()
+    if workers > 1:
+        config.option.numprocesses = workers
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """A test not marked slow may not train: any run it starts, its fixtures' included (a fork of

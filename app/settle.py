@@ -24,7 +24,7 @@ from app.checkpoint.universal import (
 )
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
-from app.init_from import check_init_config, read_init_config
+from app.init_from import check_init_config, check_source, read_init_config
 from app.model import build_config, check_packed_attention, max_positions, parse_overrides, preset
 from app.runtime.device import Device, attention_implementation, choose_attention
 from app.runtime.dist import World
@@ -424,6 +424,7 @@ def settle_init(cfg: TrainConfig, model_config, sources: Sources, resume: tuple[
                         f"start at --zero 2 or lower, a resume may then switch to ZeRO-3")
     vocab = int(sources.manifest["vocab_size"])
     source = read_init_config(where)
+    check_source(where)  # its files verified, as `app export` verifies a tag
     check_init_config(model_config, source, vocab, where, cfg.model_name)
     same = check_init_tokenizer(where, sources.items[0])
     if is_main:

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.checkpoint import manifest
 from data_tools.errors import UserError
@@ -258,6 +259,30 @@ def test_a_manifest_verifies_only_when_it_covers_every_file(tmp_path):
     manifest.write(tmp_path, manifest.own_entries(tmp_path, 0))
     (tmp_path / manifest.SAVING).write_text("x")  # the save's own mark is not of the tag
     assert manifest.verify(tmp_path) is True
+
+
+def test_a_model_directory_is_checked_whole_before_its_weights_are_read(tmp_path):
+    """Before: a truncated model.safetensors given to --init-from was a traceback."""
+    from safetensors.torch import save_file
+
+    from app.checkpoint.weights import check_export
+
+    save_file({"w": torch.arange(1000, dtype=torch.float32)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    check_export(tmp_path, "--init-from")  # a downloaded model: no manifest, structure only
+    manifest.write(tmp_path, manifest.own_entries(tmp_path, 0))  # as `app export` writes it
+    check_export(tmp_path, "--init-from")
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    with pytest.raises(UserError, match=r"model\.safetensors: \d+ bytes, \d+ when saved"):
+        check_export(tmp_path, "--init-from")
+    (tmp_path / manifest.NAME).unlink()
+    with pytest.raises(UserError, match=r"model\.safetensors: \d+ bytes, its header promises"):
+        check_export(tmp_path, "--init-from")
+    weights.write_bytes(data[:5])
+    with pytest.raises(UserError, match=r"model\.safetensors: not a whole safetensors file"):
+        check_export(tmp_path, "--init-from")
 
 
 def test_checksums_of_several_files_at_once_are_those_of_one_at_a_time(tmp_path, monkeypatch):

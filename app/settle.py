@@ -619,7 +619,7 @@ def check_run_dir(cfg: TrainConfig, sources: Sources, notes: list[str] | None = 
     """The checkpoint to resume from (or None), refusing to clobber a previous run silently:
     a run directory with checkpoints (even with `latest` gone) is never started over without
     --overwrite, nor continued from another run's checkpoint."""
-    rundir.check_out(cfg.out, sources.paths, is_main)
+    rundir.check_out(cfg.out, sources.paths, is_main, cfg.init_from)
     ckpt_dir = cfg.out / rundir.CHECKPOINTS
     resume = checkpoint.find_resume(cfg.resume, cfg.out, notes)
     previous = [n for n in (rundir.CHECKPOINTS, rundir.METRICS, rundir.SUMMARY)

@@ -383,6 +383,26 @@ def test_the_step_and_forward_parts_of_a_measured_step(capsys):
     assert compute_ms(req, 16, 1, None, 1.0) == pytest.approx(60 + 2 * 140)
 
 
+def test_plot_never_writes_over_what_plan_did_not_write(capsys, tmp_path):
+    """Before: `--plot DS/dataset.json` replaced the dataset's own file with a PNG. --plot goes
+    through the output gate: never a file plan did not write, nothing inside a dataset or a
+    run; its own earlier plot is replaced."""
+    data = tmp_path / "ds"
+    data.mkdir()
+    (data / "dataset.json").write_text("{}")
+    mine, other = tmp_path / "scaling.png", tmp_path / "notes.txt"
+    other.write_text("mine")
+    for target, needle in ((data / "dataset.json", "a dataset"), (data / "new.png", "a dataset"),
+                           (other, "not a plot this command wrote"), (tmp_path, "regular")):
+        assert main([*BASE, "--plot", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert f"--plot {target}" in err and needle in err and "Traceback" not in err
+    assert (data / "dataset.json").read_text() == "{}" and other.read_text() == "mine"
+    assert not (data / "new.png").exists()
+    assert main([*BASE, "--plot", str(mine)]) == 0 and main([*BASE, "--plot", str(mine)]) == 0
+    assert mine.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_table_has_the_network_section(capsys, tmp_path):
     png = tmp_path / "scaling.png"
     assert main([*BASE, "--interconnect", "400g-ib", "--plot", str(png)]) == 0

@@ -18,6 +18,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from app.plan import network
@@ -35,6 +36,7 @@ from app.plan.memory import (
 )
 from app.telemetry import hardware
 from app.telemetry.flops import flops_per_token, head_fraction
+from data_tools import output
 from data_tools.errors import UserError
 
 MiB = 2 ** 20
@@ -1208,6 +1210,8 @@ def run(args: argparse.Namespace) -> int:
         args.gpus = args.nodes * (args.gpus_per_node or 8) if args.nodes else 1
     req = PlanRequest(**{k: v for k, v in vars(args).items() if k in names and k != "model_args"},
                       model_args=tuple(args.model_args))
+    if args.plot:  # refused before the plan is made
+        output.claim_file(Path(args.plot), "--plot", ours=plan_plot, what="plot")
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import logs to stdout
         plan = make_plan(req)
     if args.plot:
@@ -1220,10 +1224,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_plot(plan: Plan, path: str) -> None:
-    """The predicted scaling efficiency against nodes per stage (the paper's Figure 1)."""
-    from pathlib import Path
+PLOT_SOFTWARE = "dspretrain app plan"  # the PNG's Software text: what makes a plot plan's own
 
+
+def plan_plot(path: Path) -> bool:
+    """True when `path` is a PNG an earlier `app plan --plot` wrote (its Software text chunk,
+    which comes before the image data)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and PLOT_SOFTWARE.encode() in head
+
+
+def write_plot(plan: Plan, path: str) -> None:
+    """The predicted scaling efficiency against nodes per stage (the paper's Figure 1), through
+    the file gate of data_tools/output.py: never over a file plan did not write."""
+    import io
+
+    target = Path(path)
+    output.claim_file(target, "--plot", ours=plan_plot, what="plot")
     try:
         import matplotlib
     except ImportError:
@@ -1253,9 +1274,10 @@ def write_plot(plan: Plan, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    buf = io.BytesIO()
     try:
-        fig.savefig(Path(path), format="png", dpi=100)
-    except OSError as e:
-        raise UserError(f"--plot {path}: {e.strerror or e}") from None
+        fig.savefig(buf, format="png", dpi=100, metadata={"Software": PLOT_SOFTWARE})
     finally:
         plt.close(fig)
+    output.make_dirs(target.parent, "--plot")
+    output.write_bytes_atomic(target, buf.getvalue())

@@ -25,6 +25,7 @@ tests/test_host_syncs.py):
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -119,6 +120,7 @@ class Trainer:
                              step_clock=compute_clock.another())
         self._reset_window()
         self.last_eval: dict[str, float] = {}
+        self.eval_empty_said = False  # the warning of an eval with no token to predict, once
         self.intervals: list[dict[str, Any]] = []  # the logged figures, for summary.json
         self.train_seconds = 0.0
         self.session_steps = 0
@@ -287,6 +289,13 @@ class Trainer:
             result = self._evaluate()
         self.guards.watchdog.beat("training")
         s = self.state
+        if "eval/loss" not in result:  # not one token to predict: no figure, never a perfect 0
+            if self.world.is_main and not self.eval_empty_said:
+                self.eval_empty_said = True
+                print("warning: eval: the validation split holds no token to predict (its "
+                      "documents are empty or special tokens only): no eval figures",
+                      file=sys.stderr, flush=True)
+            return result
         if s.best_eval_loss is None or result["eval/loss"] < s.best_eval_loss:
             s.best_eval_loss = result["eval/loss"]
         self.last_eval = result
@@ -373,8 +382,13 @@ def eval_figures(sets: list[EvalSet], totals: list[list[float]], objective: str
     correct]. One set: token-weighted, as ever. A mixture: `eval/<name>/loss` per source, and
     the overall figures weighted by the sources' weights (the loss expected on the training
     mix, whatever the sizes of the val splits)."""
-    loss = [t[0] / max(t[1], 1) for t in totals]
-    accuracy = [t[2] / max(t[1], 1) for t in totals]
+    # a set with no token to predict has no loss (0 / 0), never a perfect 0: left out
+    counted = [(s, t) for s, t in zip(sets, totals) if t[1] > 0]
+    if not counted:
+        return {}
+    sets, totals = [s for s, _ in counted], [t for _, t in counted]
+    loss = [t[0] / t[1] for t in totals]
+    accuracy = [t[2] / t[1] for t in totals]
     weights = [s.weight for s in sets]
 
     def mean(xs: list[float]) -> float:

@@ -38,7 +38,7 @@ from app.runtime.ds_config import (
 )
 from app.schedule import schedule_fn
 from app.telemetry.sinks import check_wandb, wandb_settings
-from data_tools.errors import UserError
+from data_tools.errors import Stopped, UserError
 from data_tools.manifest import MANIFEST, TOKENIZER_DIR, tokenizer_fingerprint
 from data_tools.schema import read_regular
 
@@ -467,11 +467,25 @@ def check_steps_left(resume: tuple[Path, str] | None, total_steps: int, cfg: Tra
     if resume is None:
         return
     step = int(checkpoint.read_state(*resume)["step"])
-    if step <= total_steps:
-        return
     limit = (f"--max-steps {cfg.max_steps}" if total_steps == cfg.max_steps
              else f"--max-tokens {cfg.max_tokens} ({total_steps} steps)")
+    if step == total_steps and finished(cfg.out, resume, step):
+        # a finished run's command again: its record stays as it is (no summary of 0 tokens/s)
+        raise Stopped(f"{cfg.out}: the run finished at step {step} ({limit}): nothing left to "
+                      f"train, nothing was changed (raise {limit.split()[0]} to train on)", 0)
+    if step <= total_steps:
+        return
     raise UserError(f"{resume[0] / resume[1]}: the checkpoint is at step {step}, past {limit}")
+
+
+def finished(out: Path, resume: tuple[Path, str], step: int) -> bool:
+    """Whether RUN_DIR `out` is a run that ended at `step`, the step of its own checkpoint it
+    would resume: its summary.json says so (a run that saved its last step and died before the
+    summary is not finished: resuming it writes the summary)."""
+    if resume[0].resolve() != (out / rundir.CHECKPOINTS).resolve():
+        return False
+    summary = rundir.read_summary(out)
+    return summary is not None and int(summary["steps"]) >= step
 
 
 @dataclass(frozen=True)

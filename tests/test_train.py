@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from app.__main__ import main as app_main
-from tests.helpers import TINY, check, metrics, run_app, train_losses
+from tests.helpers import TINY, check, metrics, run_app, snapshot, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +75,13 @@ def test_resume_continues_exactly(mlm_dataset, tmp_path):
     for step in straight:
         assert split[step] == pytest.approx(straight[step], abs=1e-6), step
     assert len({round(v, 6) for v in straight.values()}) == 6  # the losses do move
+
+    # the finished run's command again changes nothing (before: summary.json rewritten with
+    # 0 tokens/s and no final eval)
+    before = snapshot(tmp_path / "split")
+    again = check(run_app("train", *common, "--out", tmp_path / "split"))
+    assert "finished at step 6" in again.stderr and "nothing was changed" in again.stderr
+    assert snapshot(tmp_path / "split") == before
 
     # the same checkpoint on another dataset is refused, before any training
     other = tmp_path / "other_data"

@@ -402,7 +402,36 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: s
                                sample_layout=sample_layout(cfg, objective), where=where)
     if not checkpoint.check_files(where) and is_main and not is_universal(where):
         print(checkpoint.unverified_note(where), file=sys.stderr)
+    for note in settle_changes(cfg, state, where) if is_main else ():
+        print(note, file=sys.stderr)
     return resume
+
+
+# The resume contract (docs/design.md, "Faults"): what a resume may change, and how.
+# The LR schedule is a pure function of the step: this run's, from its first step (the engine's
+# base LRs are this run's --lr, app.checkpoint.store.load; the groups' LRs are set from the
+# schedule once the train state is loaded, app/build.py).
+SCHEDULE_SETTINGS = ("lr", "warmup_steps", "lr_decay", "min_lr_ratio", "decay_fraction",
+                     "decay_shape")
+# The optimizer's own settings: the checkpoint's optimizer state carries them (torch's
+# load_state_dict puts them back), so a new value would be recorded and not run: refused.
+OPTIMIZER_SETTINGS = ("weight_decay", "beta1", "beta2", "eps")
+
+
+def settle_changes(cfg: TrainConfig, state: dict[str, Any], where: Path) -> list[str]:
+    """A resume's settings against its checkpoint's run: a changed LR schedule setting is
+    applied from the first step and said (the lines returned); a changed optimizer setting is
+    refused in one line, so config.json never records a value that did not run."""
+    saved, now = state.get("run_config") or {}, cfg.to_dict()
+    for key in OPTIMIZER_SETTINGS:
+        if key in saved and saved[key] != now[key]:
+            flag = "--" + key.replace("_", "-")
+            raise UserError(f"{where}: {flag} was {saved[key]!r} and is {now[key]!r} now: the "
+                            f"optimizer's state resumes with its own {key}; resume with {flag} "
+                            f"{saved[key]}, or start a new run from these weights (--init-from)")
+    return [f"resume: --{key.replace('_', '-')} {now[key]} (the checkpoint's run: {saved[key]}): "
+            f"applied from step {int(state['step']) + 1}"
+            for key in SCHEDULE_SETTINGS if key in saved and saved[key] != now[key]]
 
 
 def settle_init(cfg: TrainConfig, model_config, sources: Sources, resume: tuple[Path, str] | None,

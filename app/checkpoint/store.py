@@ -401,8 +401,19 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
 
     A checkpoint written in another layout (ZeRO stage, world size, precision, offload) is
     loaded through its universal form (app/checkpoint/universal.py): converted once by rank 0,
-    next to it.
+    next to it. The LR schedule keeps this run's base LRs (--lr: the resume contract,
+    settle.settle_changes); the caller sets the groups' LRs from it once the train state (its
+    cool-down) is loaded (app.runtime.engine.apply_lr_schedule).
     """
+    sched = getattr(engine, "lr_scheduler", None)
+    own = list(sched.base_lrs) if sched is not None else []
+    state = _load_tag(engine, ckpt_dir, tag)
+    if sched is not None and len(own) == len(sched.base_lrs):
+        sched.base_lrs = own  # the checkpoint's were its run's --lr
+    return state
+
+
+def _load_tag(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
     tag_dir = ckpt_dir / tag
     if universal.is_universal(tag_dir):
         return universal.load(engine, tag_dir)

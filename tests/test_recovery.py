@@ -393,3 +393,28 @@ def test_two_ranks_agree_on_the_tag_a_rollback_falls_back_to(mlm_dataset, tmp_pa
     assert (run / "checkpoints" / "global_step6.damaged").is_dir()
     steps = [r["step"] for r in metrics(run) if "train/loss" in r]
     assert steps[-1] == 12 and steps.count(5) == 2
+
+
+def test_a_run_stopping_for_a_signal_keeps_its_handlers_to_its_exit():
+    """Before: StopRequests.close (trainer.close, right after the stop checkpoint) put the
+    default handlers back, so a second SIGTERM before the process exited killed it: 143
+    instead of 75. A run that stops for a signal keeps them; app.train.run releases them only
+    for another exit status."""
+    import os
+    import signal
+
+    from app.faults import preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stops = preemption.StopRequests(False)
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: the stop (a flag)
+        assert preemption.requested() == signal.SIGTERM
+        stops.close()
+        assert signal.getsignal(signal.SIGTERM) is preemption._handle
+        os.kill(os.getpid(), signal.SIGTERM)  # the second: still a flag, not a death
+        assert preemption.requested() == signal.SIGTERM
+    finally:
+        preemption.release()
+        signal.signal(signal.SIGTERM, before)
+    assert preemption.requested() == 0

@@ -36,7 +36,9 @@ import torch.nn.functional as F
 from app import rundir
 from app.checkpoint import store as checkpoint
 from app.checkpoint.train_state import TrainState
+from app.data.loader import DataFault
 from app.data.masking import IGNORE_INDEX
+from app.faults import anomaly
 from app.faults.preemption import StopRequests
 from app.faults.recovery import Recovery
 from app.faults.watchdog import Watchdog
@@ -136,7 +138,10 @@ class Trainer:
         self.logger.start_progress(total=sched.stop_step, done=s.step)
         outer = getattr(self.engine, "app_outer", None)  # --dp-mode diloco (app.runtime.outer)
         while s.step < sched.stop_step:
-            self.train_step()
+            try:
+                self.train_step()
+            except DataFault as e:  # a shard cut short or corrupt: the run stops, saved first
+                raise DataFault(f"{e}{self.save_on_fault()}") from None
             if outer is not None and (outer.due(s.step) or s.step == sched.total_steps):
                 with self.window.optimizer():  # the islands' sync: the round's last step
                     outer.sync(s.step)
@@ -336,6 +341,21 @@ class Trainer:
             self.logger.note(f"saved {path}")
         self.guards.watchdog.beat("training")
         return path
+
+    def save_on_fault(self) -> str:
+        """Before a data fault stops the run: in a world of one (no other rank waits in a
+        collective) the steps since the last save are saved, when the anomaly check is clean;
+        what to say about it ('' when nothing was saved). The weights are the last whole
+        step's: the failed step's micro batches never reached the optimizer."""
+        s = self.state
+        if self.world.world_size > 1 or s.step == 0 or self._last_save == s.step:
+            return ""
+        rows = self.gather(figures=False)
+        if anomaly.earliest([(r[0], r[1]) for r in rows]) is not None:
+            return ""
+        path = self.save()
+        return (f"; saved {path} (step {s.step}) first: once the data is whole, the same "
+                f"command resumes from it") if path is not None else ""
 
     def close(self) -> None:
         self.guards.watchdog.close()

@@ -403,7 +403,7 @@ def _touching(starts: list[int], flat: list[Grad], lo: float, hi: float) -> list
 
 # Above this many windows a call's members are found per parameter rather than per rank's
 # window (the same set: `_periodic`), so a plan at a million nodes answers in seconds
-WINDOW_LOOP_MAX = 4096
+WINDOW_LOOP_MAX = 64
 
 
 def _periodic(starts: list[int], flat: list[Grad], base: float, period: float, offset: float,

@@ -106,17 +106,27 @@ def test_an_interrupted_save_is_known_by_its_own_mark(run0, mlm_dataset, tmp_pat
 
 @SLOW
 def test_a_complete_tag_whose_manifest_was_deleted_keeps_its_files(run0, mlm_dataset, tmp_path):
-    """Before: removed as "an interrupted save", every intact data file with it. Now set aside
-    as TAG.unverified and named; the resume takes the previous tag."""
+    """Before: removed as "an interrupted save", every intact data file with it. Without its
+    save's `.saving` mark it is no interrupted save: its files pass the structure check, so it
+    is resumed as a tag made before manifests is, said to be unverified; cut short, it is set
+    aside as TAG.unverified, its files kept, and the previous tag resumed."""
     run = copy_of(run0, tmp_path)
     model = run / "checkpoints" / TAG10 / "mp_rank_00_model_states.pt"
     data = model.read_bytes()
     (run / "checkpoints" / TAG10 / manifest.NAME).unlink()
     proc = check(resume(mlm_dataset, run))
+    assert "removed" not in proc.stderr and "at step 10" in proc.stderr
+    assert f"{run / 'checkpoints' / TAG10}: its manifest.json is missing" in proc.stderr
+    assert model.read_bytes() == data
+    run = copy_of(run0, tmp_path / "cut")
+    model = run / "checkpoints" / TAG10 / "mp_rank_00_model_states.pt"
+    (run / "checkpoints" / TAG10 / manifest.NAME).unlink()
+    os.truncate(model, model.stat().st_size // 2)
+    cut = model.read_bytes()
+    proc = check(resume(mlm_dataset, run))
     assert "removed" not in proc.stderr and "at step 5" in proc.stderr
     assert f"moved {run / 'checkpoints' / TAG10} aside to {TAG10}.unverified" in proc.stderr
-    kept = run / "checkpoints" / f"{TAG10}.unverified" / model.name
-    assert kept.read_bytes() == data
+    assert (run / "checkpoints" / f"{TAG10}.unverified" / model.name).read_bytes() == cut
 
 
 @SLOW

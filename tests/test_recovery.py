@@ -228,9 +228,9 @@ def test_an_interrupted_tag_is_deleted_and_passed_over(tmp_path):
 
 
 def test_a_tag_whose_manifest_was_deleted_is_set_aside_with_its_files(tmp_path):
-    """Before: a complete tag whose manifest.json was deleted was removed as an interrupted
-    save, its intact files with it. Without the save's own mark the app cannot know the tag is
-    incomplete: it is passed over and kept, named."""
+    """Before: a tag whose manifest.json was deleted was removed as an interrupted save, its
+    files with it. Without the save's own mark it is no interrupted save: here its model file
+    fails the structure check (not a zip), so it is passed over and kept, named."""
     run = FakeRun(tmp_path, losses={4: math.nan})
     run.steps(2)
     run.save()

@@ -103,23 +103,22 @@ def tag_problem(ckpt_dir: Path, tag: str) -> tuple[str, str] | None:
     integrity are separate facts:
     ("interrupted", why): a save this app began and did not finish (its `.saving` mark and no
     manifest): the one kind that is deleted;
-    ("unverified", why): no manifest, though one was due (deleted, or lost in a copy), or before
-    manifests a file cut short: whether it is complete cannot be known; set aside, kept;
+    ("unverified", why): no manifest and no such mark, and its files fail the structure check
+    (a file cut short or missing): set aside, kept;
     ("damaged", why): its files differ from its manifest, or the manifest does not cover them
-    (an empty or partial one verifies nothing); set aside, kept."""
+    (an empty or partial one verifies nothing); set aside, kept.
+    A tag without a manifest whose files pass the structure check (made before manifests, or
+    its manifest deleted since) is complete as far as can be known: resumed, said to be
+    unverified (`unverified_note`)."""
     tag_dir = ckpt_dir / tag
     has_manifest = (tag_dir / manifest.NAME).is_file()
     if (tag_dir / manifest.SAVING).is_file() and not has_manifest:
         return "interrupted", f"{tag_dir}: a save that did not finish (no {manifest.NAME})"
-    kind = "damaged" if has_manifest else "unverified"
     try:
-        state = read_state(ckpt_dir, tag)
-        verified = check_files(tag_dir)
+        read_state(ckpt_dir, tag)
+        check_files(tag_dir)
     except UserError as e:
-        return kind, str(e)
-    if not verified and "manifest" in state:
-        return "unverified", (f"{tag_dir / manifest.NAME}: missing, though the save wrote one: "
-                              f"its files cannot be verified")
+        return ("damaged" if has_manifest else "unverified"), str(e)
     return None
 
 
@@ -210,8 +209,14 @@ def check_files(tag_dir: Path) -> bool:
 
 
 def unverified_note(tag_dir: Path) -> str:
-    return (f"note: {tag_dir}: made before checkpoint manifests (no {manifest.NAME}); its files "
-            f"are checked for structure only, not verified")
+    """The line for a tag resumed or read without a manifest to verify it against."""
+    try:
+        due = "manifest" in read_state(tag_dir.parent, tag_dir.name)
+    except UserError:
+        due = False
+    why = (f"its {manifest.NAME} is missing (the save wrote one: deleted since?)" if due else
+           f"made before checkpoint manifests (no {manifest.NAME})")
+    return f"note: {tag_dir}: {why}; its files are checked for structure only, not verified"
 
 
 def check_resumable(state: dict[str, Any], *, fingerprint: str, model_config: dict[str, Any],

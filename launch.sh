@@ -395,6 +395,16 @@ iface_problem() {
       echo "$var=$given: no such network interface on $(hostname) (it has ${here[*]}), so its ranks cannot reach the master $master"
       return 1
     fi
+    # gloo binds every rank's sockets to the address of each interface it is given: one
+    # without an address passed the checks above and then failed every rank inside gloo
+    if [ "$var" = GLOO_SOCKET_IFNAME ] && command -v ip >/dev/null 2>&1; then
+      for w in "${wanted[@]}"; do
+        if ! ip -o addr show dev "$w" 2>/dev/null | grep -q ' inet6\? '; then
+          echo "$var=$given: interface $w on $(hostname) has no address, so gloo cannot bind its ranks to it (interfaces with one: $(ip -o addr show 2>/dev/null | awk '{ print $2 }' | sort -u | paste -sd ' ' -))"
+          return 1
+        fi
+      done
+    fi
     # the master's address resolved, not on this node, and `ip` here: one interface must route
     if [ -z "$addr" ] || [ -z "$route" ] || [[ "$route" == local* ]]; then continue; fi
     for name in "${matched[@]}"; do

@@ -49,7 +49,13 @@ from app.runtime.device import (
 )
 from app.runtime.dist import World, adopt_launcher_env, barrier, init_distributed, world_from_env
 from app.runtime.ds_config import zero_stage
-from app.runtime.engine import engine_facts, global_batch, initialize, versions
+from app.runtime.engine import (
+    apply_lr_schedule,
+    engine_facts,
+    global_batch,
+    initialize,
+    versions,
+)
 from app.runtime.outer import OuterSync
 from app.settle import Plan, plan_run
 from app.telemetry import figures as telemetry
@@ -111,6 +117,7 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     state.facts = state_facts(plan, engine, world)
     if plan.resume is not None:
         state.load_state_dict(checkpoint.load(engine, *plan.resume))
+        apply_lr_schedule(engine)  # this run's schedule (and cool-down) from its first step
         checkpoint.restore_rng(*plan.resume, rank=world.rank)
         if world.is_main:
             print(f"resumed from {plan.resume[0] / plan.resume[1]} at step {state.step}",

@@ -321,7 +321,9 @@ def _positive(name: str, value: int) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `app train` flags; defaults and help come from TrainConfig."""
     add = config_flags(parser, TrainConfig)
-    config_file(parser, TrainConfig, recorded="run")  # RUN_DIR/config.json's "run" section
+    # RUN_DIR/config.json's "run" section; a record continues its run (--resume auto), never
+    # replaces it: what the run did to its --out is not repeated
+    config_file(parser, TrainConfig, recorded="run", not_repeated=("resume", "overwrite"))
     add("data", nargs="+", required=True, metavar="DIR | WEIGHT:DIR")
     add("out", type=Path, required=True, metavar="RUN_DIR")
     add("model", metavar="PRESET")

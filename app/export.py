@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from app import reference, rundir
+from app.checkpoint import manifest
 from app.checkpoint import store as checkpoint
 from app.checkpoint.weights import config_from_run, run_weights
 from app.model import build_model
@@ -47,11 +48,10 @@ def run(args: argparse.Namespace) -> int:
             f"no '{checkpoint.LATEST}' naming a checkpoint" if tags else "no checkpoint to export")
         raise UserError(f"{ckpt_dir}: {what}" + (f"; its tags: {', '.join(tags)}: pass one "
                                                  f"with --tag" if tags else ""))
-    if not checkpoint.check_files(ckpt_dir / tag):  # verified against its manifest, or said
-        print(checkpoint.unverified_note(ckpt_dir / tag), file=sys.stderr)
+    weights = run_weights(ckpt_dir, tag)  # verified against its manifest (check_tag)
     print(step_note(run_dir, tag), file=sys.stderr)
     model = build_model(config_from_run(run_dir, run_config))
-    load_weights(model, run_weights(ckpt_dir, tag), where=ckpt_dir / tag)
+    load_weights(model, weights, where=ckpt_dir / tag)
     vocab = int(run_config["data"].get("vocab_size") or model.config.vocab_size)
     if model.config.vocab_size > vocab:  # the tokenizer's size: drop the tensor-core padding
         model.resize_token_embeddings(vocab, mean_resizing=False)
@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     with output.new_dir(out, KIND, COMMAND) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         save_tokenizer(run_dir, run_config, tmp)
+        # every file's size and checksum, as a checkpoint tag's: --init-from verifies it
+        manifest.write(tmp, manifest.own_entries(tmp, 0))
         # checked before the export is in place
         checked = reference.compare(run_dir, tmp, checkpoint.step_of(tag), objective)
         if checked is not None:

@@ -15,7 +15,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, PretrainedConfig
 
-from app.checkpoint.weights import config_from_run, latest_of, run_weights
+from app.checkpoint.weights import (
+    check_export,
+    check_tag,
+    config_from_run,
+    latest_of,
+    run_weights,
+)
 from app.model import objective_of
 from app.rundir import is_run_dir
 from data_tools.errors import UserError
@@ -60,15 +66,26 @@ def check_init_config(config: PretrainedConfig, source: PretrainedConfig, vocab_
                         f"tokenizer)")
 
 
+def check_source(directory: Path) -> None:
+    """The --init-from source verified as every reader of a checkpoint or an export verifies it
+    (app/checkpoint/weights.py): a run directory's latest tag against its manifest, a model
+    directory's files against its manifest and their structure; before any process group."""
+    if is_run_dir(directory):
+        check_tag(Path.joinpath(*latest_of(directory)))
+    else:
+        check_export(directory, "--init-from")
+
+
 def _init_weights(directory: Path, objective: str) -> dict[str, torch.Tensor]:
     """The weights of an --init-from directory: a run directory's latest checkpoint (as
     `app export` takes it), or a Hugging Face model directory loaded as the objective's model."""
     if is_run_dir(directory):
-        return run_weights(*latest_of(directory))
+        return run_weights(*latest_of(directory))  # verified (weights.check_tag)
+    check_source(directory)
     auto = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
     try:
         return auto.from_pretrained(directory, dtype=torch.float32).state_dict()
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, safetensors' own error
         raise UserError(f"--init-from {directory}: weights not loadable "
                         f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]})") \
             from None

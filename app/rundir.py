@@ -129,12 +129,16 @@ def is_run_dir(path: Path) -> bool:
     return output.marked_as(path) == KIND or _made_before_markers(path)
 
 
-def check_out(out: Path, data: list[Path], is_main: bool = True) -> None:
-    """`--out` may be new, empty, or a run directory; never a dataset (of a mixture) or inside
-    one. Whether a directory that is there may be used is the main rank's call: it creates the
-    run directory while the other ranks still settle, so they could see it half made (its marker
-    being written) and refuse a run directory that is fine."""
-    output.check_apart(out, [("--data", d) for d in data])
+def check_out(out: Path, data: list[Path], is_main: bool = True,
+              init_from: Path | None = None) -> None:
+    """`--out` may be new, empty, or a run directory; never an input: a dataset (of a mixture),
+    the `--init-from` source, or inside or around one (the gate of data_tools/output.py, so
+    `--overwrite` cannot clear the weights the run is to start from). Whether a directory that
+    is there may be used is the main rank's call: it creates the run directory while the other
+    ranks still settle, so they could see it half made (its marker being written) and refuse a
+    run directory that is fine."""
+    output.check_apart(out, [("--data", d) for d in data]
+                       + ([("--init-from", init_from)] if init_from is not None else []))
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     if is_main and out.is_dir() and any(out.iterdir()) and not is_run_dir(out):

@@ -24,7 +24,7 @@ from app.checkpoint.universal import (
 )
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
-from app.init_from import check_init_config, read_init_config
+from app.init_from import check_init_config, check_source, read_init_config
 from app.model import (
     attention_dropout,
     build_config,
@@ -45,7 +45,7 @@ from app.runtime.ds_config import (
 )
 from app.schedule import schedule_fn
 from app.telemetry.sinks import check_wandb, wandb_settings
-from data_tools.errors import UserError
+from data_tools.errors import Stopped, UserError
 from data_tools.manifest import MANIFEST, TOKENIZER_DIR, tokenizer_fingerprint
 from data_tools.schema import read_regular
 
@@ -410,7 +410,36 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: s
                                sample_layout=sample_layout(cfg, objective), where=where)
     if not checkpoint.check_files(where) and is_main and not is_universal(where):
         print(checkpoint.unverified_note(where), file=sys.stderr)
+    for note in settle_changes(cfg, state, where) if is_main else ():
+        print(note, file=sys.stderr)
     return resume
+
+
+# The resume contract (docs/design.md, "Faults"): what a resume may change, and how.
+# The LR schedule is a pure function of the step: this run's, from its first step (the engine's
+# base LRs are this run's --lr, app.checkpoint.store.load; the groups' LRs are set from the
+# schedule once the train state is loaded, app/build.py).
+SCHEDULE_SETTINGS = ("lr", "warmup_steps", "lr_decay", "min_lr_ratio", "decay_fraction",
+                     "decay_shape")
+# The optimizer's own settings: the checkpoint's optimizer state carries them (torch's
+# load_state_dict puts them back), so a new value would be recorded and not run: refused.
+OPTIMIZER_SETTINGS = ("weight_decay", "beta1", "beta2", "eps")
+
+
+def settle_changes(cfg: TrainConfig, state: dict[str, Any], where: Path) -> list[str]:
+    """A resume's settings against its checkpoint's run: a changed LR schedule setting is
+    applied from the first step and said (the lines returned); a changed optimizer setting is
+    refused in one line, so config.json never records a value that did not run."""
+    saved, now = state.get("run_config") or {}, cfg.to_dict()
+    for key in OPTIMIZER_SETTINGS:
+        if key in saved and saved[key] != now[key]:
+            flag = "--" + key.replace("_", "-")
+            raise UserError(f"{where}: {flag} was {saved[key]!r} and is {now[key]!r} now: the "
+                            f"optimizer's state resumes with its own {key}; resume with {flag} "
+                            f"{saved[key]}, or start a new run from these weights (--init-from)")
+    return [f"resume: --{key.replace('_', '-')} {now[key]} (the checkpoint's run: {saved[key]}): "
+            f"applied from step {int(state['step']) + 1}"
+            for key in SCHEDULE_SETTINGS if key in saved and saved[key] != now[key]]
 
 
 def settle_init(cfg: TrainConfig, model_config, sources: Sources, resume: tuple[Path, str] | None,
@@ -432,6 +461,7 @@ def settle_init(cfg: TrainConfig, model_config, sources: Sources, resume: tuple[
                         f"start at --zero 2 or lower, a resume may then switch to ZeRO-3")
     vocab = int(sources.manifest["vocab_size"])
     source = read_init_config(where)
+    check_source(where)  # its files verified, as `app export` verifies a tag
     check_init_config(model_config, source, vocab, where, cfg.model_name)
     same = check_init_tokenizer(where, sources.items[0])
     if is_main:
@@ -474,11 +504,25 @@ def check_steps_left(resume: tuple[Path, str] | None, total_steps: int, cfg: Tra
     if resume is None:
         return
     step = int(checkpoint.read_state(*resume)["step"])
-    if step <= total_steps:
-        return
     limit = (f"--max-steps {cfg.max_steps}" if total_steps == cfg.max_steps
              else f"--max-tokens {cfg.max_tokens} ({total_steps} steps)")
+    if step == total_steps and finished(cfg.out, resume, step):
+        # a finished run's command again: its record stays as it is (no summary of 0 tokens/s)
+        raise Stopped(f"{cfg.out}: the run finished at step {step} ({limit}): nothing left to "
+                      f"train, nothing was changed (raise {limit.split()[0]} to train on)", 0)
+    if step <= total_steps:
+        return
     raise UserError(f"{resume[0] / resume[1]}: the checkpoint is at step {step}, past {limit}")
+
+
+def finished(out: Path, resume: tuple[Path, str], step: int) -> bool:
+    """Whether RUN_DIR `out` is a run that ended at `step`, the step of its own checkpoint it
+    would resume: its summary.json says so (a run that saved its last step and died before the
+    summary is not finished: resuming it writes the summary)."""
+    if resume[0].resolve() != (out / rundir.CHECKPOINTS).resolve():
+        return False
+    summary = rundir.read_summary(out)
+    return summary is not None and int(summary["steps"]) >= step
 
 
 @dataclass(frozen=True)
@@ -626,7 +670,7 @@ def check_run_dir(cfg: TrainConfig, sources: Sources, notes: list[str] | None = 
     """The checkpoint to resume from (or None), refusing to clobber a previous run silently:
     a run directory with checkpoints (even with `latest` gone) is never started over without
     --overwrite, nor continued from another run's checkpoint."""
-    rundir.check_out(cfg.out, sources.paths, is_main)
+    rundir.check_out(cfg.out, sources.paths, is_main, cfg.init_from)
     ckpt_dir = cfg.out / rundir.CHECKPOINTS
     resume = checkpoint.find_resume(cfg.resume, cfg.out, notes)
     previous = [n for n in (rundir.CHECKPOINTS, rundir.METRICS, rundir.SUMMARY)

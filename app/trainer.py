@@ -25,6 +25,7 @@ tests/test_host_syncs.py):
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -35,7 +36,9 @@ import torch.nn.functional as F
 from app import rundir
 from app.checkpoint import store as checkpoint
 from app.checkpoint.train_state import TrainState
+from app.data.loader import DataFault
 from app.data.masking import IGNORE_INDEX
+from app.faults import anomaly
 from app.faults.preemption import StopRequests
 from app.faults.recovery import Recovery
 from app.faults.watchdog import Watchdog
@@ -119,6 +122,7 @@ class Trainer:
                              step_clock=compute_clock.another())
         self._reset_window()
         self.last_eval: dict[str, float] = {}
+        self.eval_empty_said = False  # the warning of an eval with no token to predict, once
         self.intervals: list[dict[str, Any]] = []  # the logged figures, for summary.json
         self.train_seconds = 0.0
         self.session_steps = 0
@@ -134,7 +138,10 @@ class Trainer:
         self.logger.start_progress(total=sched.stop_step, done=s.step)
         outer = getattr(self.engine, "app_outer", None)  # --dp-mode diloco (app.runtime.outer)
         while s.step < sched.stop_step:
-            self.train_step()
+            try:
+                self.train_step()
+            except DataFault as e:  # a shard cut short or corrupt: the run stops, saved first
+                raise DataFault(f"{e}{self.save_on_fault()}") from None
             if outer is not None and (outer.due(s.step) or s.step == sched.total_steps):
                 with self.window.optimizer():  # the islands' sync: the round's last step
                     outer.sync(s.step)
@@ -287,6 +294,13 @@ class Trainer:
             result = self._evaluate()
         self.guards.watchdog.beat("training")
         s = self.state
+        if "eval/loss" not in result:  # not one token to predict: no figure, never a perfect 0
+            if self.world.is_main and not self.eval_empty_said:
+                self.eval_empty_said = True
+                print("warning: eval: the validation split holds no token to predict (its "
+                      "documents are empty or special tokens only): no eval figures",
+                      file=sys.stderr, flush=True)
+            return result
         if s.best_eval_loss is None or result["eval/loss"] < s.best_eval_loss:
             s.best_eval_loss = result["eval/loss"]
         self.last_eval = result
@@ -327,6 +341,21 @@ class Trainer:
             self.logger.note(f"saved {path}")
         self.guards.watchdog.beat("training")
         return path
+
+    def save_on_fault(self) -> str:
+        """Before a data fault stops the run: in a world of one (no other rank waits in a
+        collective) the steps since the last save are saved, when the anomaly check is clean;
+        what to say about it ('' when nothing was saved). The weights are the last whole
+        step's: the failed step's micro batches never reached the optimizer."""
+        s = self.state
+        if self.world.world_size > 1 or s.step == 0 or self._last_save == s.step:
+            return ""
+        rows = self.gather(figures=False)
+        if anomaly.earliest([(r[0], r[1]) for r in rows]) is not None:
+            return ""
+        path = self.save()
+        return (f"; saved {path} (step {s.step}) first: once the data is whole, the same "
+                f"command resumes from it") if path is not None else ""
 
     def close(self) -> None:
         self.guards.watchdog.close()
@@ -373,8 +402,13 @@ def eval_figures(sets: list[EvalSet], totals: list[list[float]], objective: str
     correct]. One set: token-weighted, as ever. A mixture: `eval/<name>/loss` per source, and
     the overall figures weighted by the sources' weights (the loss expected on the training
     mix, whatever the sizes of the val splits)."""
-    loss = [t[0] / max(t[1], 1) for t in totals]
-    accuracy = [t[2] / max(t[1], 1) for t in totals]
+    # a set with no token to predict has no loss (0 / 0), never a perfect 0: left out
+    counted = [(s, t) for s, t in zip(sets, totals) if t[1] > 0]
+    if not counted:
+        return {}
+    sets, totals = [s for s, _ in counted], [t for _, t in counted]
+    loss = [t[0] / t[1] for t in totals]
+    accuracy = [t[2] / t[1] for t in totals]
     weights = [s.weight for s in sets]
 
     def mean(xs: list[float]) -> float:

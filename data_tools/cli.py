@@ -93,12 +93,15 @@ class ConfigFile(argparse.Action):
     defaults of the flags, so a flag overrides the file wherever it stands, and each value is
     checked by its flag's own type and choices. `recorded`: the key under which a run's record
     keeps these settings (RUN_DIR/config.json's "run"), so the record repeats the run.
+    `not_repeated`: settings a record keeps but does not repeat, what the run did to its output
+    (`--resume never --overwrite` replaced an earlier run once; repeated, it would replace this
+    one): a record read back leaves them at their defaults.
     """
 
     def __init__(self, option_strings: list[str], dest: str, cls: type,
-                 recorded: str | None = None, **kw: Any):
+                 recorded: str | None = None, not_repeated: tuple[str, ...] = (), **kw: Any):
         super().__init__(option_strings, dest, metavar="FILE", **kw)
-        self.cls, self.recorded = cls, recorded
+        self.cls, self.recorded, self.not_repeated = cls, recorded, not_repeated
         self.read: str | None = None  # the file config_defaults applied, while it parses
 
     def __call__(self, parser, namespace, value, option_string=None) -> None:
@@ -108,9 +111,11 @@ class ConfigFile(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
-def config_file(parser: argparse.ArgumentParser, cls: type, recorded: str | None = None) -> None:
+def config_file(parser: argparse.ArgumentParser, cls: type, recorded: str | None = None,
+                not_repeated: tuple[str, ...] = ()) -> None:
     """Add `--config FILE` for the settings dataclass `cls` (see ConfigFile)."""
     parser.add_argument("--config", action=ConfigFile, cls=cls, recorded=recorded,
+                        not_repeated=not_repeated,
                         help="YAML or JSON file of these settings (keys: the flags without "
                         "'--', '_' for '-'; a run's RUN_DIR/config.json repeats the run); "
                         "flags override it")
@@ -129,7 +134,7 @@ def config_defaults(parser: argparse.ArgumentParser, args: Sequence[str]) -> Ite
     settings = {f.name for f in fields(config.cls)}
     by_dest = {a.dest: a for a in actions if a.dest in settings}
     try:
-        values = read_settings(path, config.recorded, by_dest)
+        values = read_settings(path, config.recorded, by_dest, config.not_repeated)
     except ConfigError as e:
         parser.error(f"{config.option_strings[0]} {path}: {e}")
     saved = [(by_dest[k], by_dest[k].default, by_dest[k].required) for k in values]
@@ -156,12 +161,14 @@ def config_path(args: Sequence[str], options: Sequence[str]) -> str | None:
     return path
 
 
-def read_settings(path: str, recorded: str | None, by_dest: dict[str, argparse.Action]
-                  ) -> dict[str, Any]:
-    """The settings in file `path` by name, each checked as its flag would check it."""
+def read_settings(path: str, recorded: str | None, by_dest: dict[str, argparse.Action],
+                  not_repeated: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The settings in file `path` by name, each checked as its flag would check it (a run's
+    record without its `not_repeated` ones)."""
     data = load_file(Path(path))
     if recorded and isinstance(data.get(recorded), dict) and recorded not in by_dest:
-        data = data[recorded]  # a run's record: its settings are one section of it
+        # a run's record: its settings are one section of it
+        data = {k: v for k, v in data[recorded].items() if k not in not_repeated}
     out = {}
     for key, value in data.items():
         if key not in by_dest:

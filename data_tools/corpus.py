@@ -213,7 +213,9 @@ class Corpus:
                     continue
                 stats.bytes, stats.replaced_chars = base_bytes + read.bytes, \
                     base_replaced + read.replaced
-                if not text and not started:
+                if not started and (not text or text.isspace()):
+                    # nothing but whitespace is an empty document too: kept, it would be a lone
+                    # end-of-document token, a sample with nothing to learn
                     stats.empty_documents += 1
                     continue
                 started = False

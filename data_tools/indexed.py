@@ -46,6 +46,10 @@ class FormatError(ValueError):
     """A shard that does not follow the format (the message names the file)."""
 
 
+class ShardChanged(FormatError):
+    """A shard's .bin cut short while it is read (`IndexedShard.check_extent`)."""
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """Megatron's choice: uint16 when every id fits with room to spare, else int32."""
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
@@ -213,6 +217,7 @@ class IndexedShard:
         self.bin_bytes = bin_bytes
         self._idx_mm = None
         self._bin_mm = None
+        self._bin_fd: int | None = None  # the mapped file, for `check_extent`
         self.code = code
         self.dtype = self._resolve_dtype(code, ip)  # may read the sizes (code 8)
 
@@ -240,7 +245,25 @@ class IndexedShard:
         state = self.__dict__.copy()
         state["_idx_mm"] = None
         state["_bin_mm"] = None
+        state["_bin_fd"] = None
         return state
+
+    def __del__(self) -> None:
+        if getattr(self, "_bin_fd", None) is not None:
+            os.close(self._bin_fd)
+
+    def check_extent(self, end: int) -> None:
+        """Raise ShardChanged when the .bin no longer holds its first `end` tokens: a shard
+        truncated under a running job (reading a mapped page past the file's end is a SIGBUS:
+        the process dies with "Bus error" and no message). One fstat of the mapped file."""
+        if self._bin_fd is None:
+            self._bin_fd = os.open(bin_path(self.prefix), os.O_RDONLY)
+        size = os.fstat(self._bin_fd).st_size
+        if size < end * self.dtype.itemsize:
+            raise ShardChanged(f"{bin_path(self.prefix)}: {size} bytes now, {self.bin_bytes} "
+                               f"when the run opened it: the shard was truncated under the "
+                               f"running job (restore or re-stage the dataset, check it with "
+                               f"`python -m data_tools inspect --verify`, then resume)")
 
     @property
     def _idx(self) -> np.memmap:
@@ -272,6 +295,8 @@ class IndexedShard:
             if self.bin_bytes == 0:
                 return np.zeros(0, dtype=self.dtype)
             # a plain ndarray over the map: slicing a np.memmap costs ~1.5 us more a sample
+            if self._bin_fd is None:  # the file `check_extent` asks: the one mapped
+                self._bin_fd = os.open(bin_path(self.prefix), os.O_RDONLY)
             self._bin_mm = np.memmap(bin_path(self.prefix), dtype=self.dtype,
                                      mode="r").view(np.ndarray)
         return self._bin_mm

@@ -229,6 +229,30 @@ def claim(out: Path, kind: str, command: str, *, overwrite: bool,
     return True
 
 
+def claim_file(path: Path, flag: str, *, ours: Callable[[Path], bool],
+               what: str, inputs: Iterable[tuple[str, Path]] = ()) -> None:
+    """The gate of a single file a command writes (`--plot PATH`): the same rules as `claim`
+    for a directory. `path` is never an input (nor inside one: `check_apart`), never a file of
+    a dataset, run or other output of this project (a directory holding a marker or a
+    `dataset.json`), and when it exists it must be a regular file that `ours` recognises as
+    a `what` this command wrote before; anything else is refused and left as it is."""
+    check_apart(path, inputs, flag)
+    refuse_dangling(path, flag)
+    parent = path.parent
+    for d in (parent, *parent.parents):
+        if (d / MARKER).is_file() or (d / "dataset.json").is_file():
+            owner = marked_as(d) or "dataset"
+            raise UserError(f"{flag} {path}: inside {d}, a {owner} (nothing there was changed); "
+                            f"choose a path outside it")
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_file():
+        raise UserError(f"{flag} {path}: exists and is not a regular file (nothing was changed)")
+    if not ours(path):
+        raise UserError(f"{flag} {path}: exists and is not a {what} this command wrote; choose "
+                        f"a new path (nothing was changed)")
+
+
 def refuse_dangling(path: Path, flag: str = "--out") -> None:
     """Refuse a symlink whose target is missing: mkdir and open fail on it with an error that
     reads as a permission problem, which sends the user looking in the wrong place."""

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.checkpoint import manifest
 from data_tools.errors import UserError
@@ -92,12 +93,51 @@ def test_a_complete_tag_newer_than_latest_is_resumed_not_deleted(run0, mlm_datas
 
 
 @SLOW
-def test_an_interrupted_save_is_known_by_its_missing_manifest(run0, mlm_dataset, tmp_path):
+def test_an_interrupted_save_is_known_by_its_own_mark(run0, mlm_dataset, tmp_path):
+    """A save writes `.saving` first and removes it after the manifest: a tag with the mark
+    and no manifest is a save this app began and did not finish, the only tag it deletes."""
     run = copy_of(run0, tmp_path)
     (run / "checkpoints" / TAG10 / manifest.NAME).unlink()
+    (run / "checkpoints" / TAG10 / manifest.SAVING).write_text(TAG10)
     proc = check(resume(mlm_dataset, run))
     assert f"removed {run / 'checkpoints' / TAG10}: an interrupted save" in proc.stderr
     assert "at step 5" in proc.stderr
+
+
+@SLOW
+def test_a_complete_tag_whose_manifest_was_deleted_keeps_its_files(run0, mlm_dataset, tmp_path):
+    """Before: removed as "an interrupted save", every intact data file with it. Without its
+    save's `.saving` mark it is no interrupted save: its files pass the structure check, so it
+    is resumed as a tag made before manifests is, said to be unverified; cut short, it is set
+    aside as TAG.unverified, its files kept, and the previous tag resumed."""
+    run = copy_of(run0, tmp_path)
+    model = run / "checkpoints" / TAG10 / "mp_rank_00_model_states.pt"
+    data = model.read_bytes()
+    (run / "checkpoints" / TAG10 / manifest.NAME).unlink()
+    proc = check(resume(mlm_dataset, run))
+    assert "removed" not in proc.stderr and "at step 10" in proc.stderr
+    assert f"{run / 'checkpoints' / TAG10}: its manifest.json is missing" in proc.stderr
+    assert model.read_bytes() == data
+    run = copy_of(run0, tmp_path / "cut")
+    model = run / "checkpoints" / TAG10 / "mp_rank_00_model_states.pt"
+    (run / "checkpoints" / TAG10 / manifest.NAME).unlink()
+    os.truncate(model, model.stat().st_size // 2)
+    cut = model.read_bytes()
+    proc = check(resume(mlm_dataset, run))
+    assert "removed" not in proc.stderr and "at step 5" in proc.stderr
+    assert f"moved {run / 'checkpoints' / TAG10} aside to {TAG10}.unverified" in proc.stderr
+    assert (run / "checkpoints" / f"{TAG10}.unverified" / model.name).read_bytes() == cut
+
+
+@SLOW
+def test_an_empty_manifest_over_damaged_weights_is_not_resumed(run0, mlm_dataset, tmp_path):
+    """Before: `"files": {}` verified, and the damaged weights of global_step10 were resumed."""
+    run = copy_of(run0, tmp_path)
+    flip(run / "checkpoints" / TAG10 / "mp_rank_00_model_states.pt")
+    manifest.write(run / "checkpoints" / TAG10, {})
+    proc = check(resume(mlm_dataset, run))
+    assert "lists no files" in proc.stderr and "at step 5" in proc.stderr
+    assert (run / "checkpoints" / f"{TAG10}.damaged").is_dir()
 
 
 # -- 2. --resume PATH into another run ----------------------------------------------------------
@@ -214,6 +254,45 @@ def test_verify_names_a_missing_resized_or_changed_file(tmp_path):
     os.mkfifo(tmp_path / "rng_rank1.pt")  # never opened: a FIFO would block the read
     with pytest.raises(UserError, match=r"rng_rank1\.pt: not a regular file \(listed in"):
         manifest.verify(tmp_path)
+
+
+def test_a_manifest_verifies_only_when_it_covers_every_file(tmp_path):
+    (tmp_path / "a.pt").write_bytes(b"a" * 10)
+    (tmp_path / "rng_rank0.pt").write_bytes(b"b" * 10)
+    manifest.write(tmp_path, {})
+    with pytest.raises(UserError, match="lists no files: an empty manifest verifies nothing"):
+        manifest.verify(tmp_path)
+    manifest.write(tmp_path, {k: v for k, v in manifest.own_entries(tmp_path, 0).items()
+                              if k == "a.pt"})
+    with pytest.raises(UserError, match=r"rng_rank0\.pt: not listed in manifest\.json"):
+        manifest.verify(tmp_path)
+    manifest.write(tmp_path, manifest.own_entries(tmp_path, 0))
+    (tmp_path / manifest.SAVING).write_text("x")  # the save's own mark is not of the tag
+    assert manifest.verify(tmp_path) is True
+
+
+def test_a_model_directory_is_checked_whole_before_its_weights_are_read(tmp_path):
+    """Before: a truncated model.safetensors given to --init-from was a traceback."""
+    from safetensors.torch import save_file
+
+    from app.checkpoint.weights import check_export
+
+    save_file({"w": torch.arange(1000, dtype=torch.float32)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    check_export(tmp_path, "--init-from")  # a downloaded model: no manifest, structure only
+    manifest.write(tmp_path, manifest.own_entries(tmp_path, 0))  # as `app export` writes it
+    check_export(tmp_path, "--init-from")
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    with pytest.raises(UserError, match=r"model\.safetensors: \d+ bytes, \d+ when saved"):
+        check_export(tmp_path, "--init-from")
+    (tmp_path / manifest.NAME).unlink()
+    with pytest.raises(UserError, match=r"model\.safetensors: \d+ bytes, its header promises"):
+        check_export(tmp_path, "--init-from")
+    weights.write_bytes(data[:5])
+    with pytest.raises(UserError, match=r"model\.safetensors: not a whole safetensors file"):
+        check_export(tmp_path, "--init-from")
 
 
 def test_checksums_of_several_files_at_once_are_those_of_one_at_a_time(tmp_path, monkeypatch):

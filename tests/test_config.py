@@ -293,6 +293,39 @@ def test_a_json_file_and_a_runs_config_json_repeat_the_settings(tmp_path):
     assert plain.to_dict() == {**cfg.to_dict(), "out": "runs/y"}
 
 
+def test_a_runs_record_continues_the_run_never_replaces_it(tmp_path):
+    """Before: config.json recorded `resume: never` and `overwrite: true`, so `--config
+    RUN/config.json` replaced the run from step 0 where the README says it resumes. What a run
+    did to its --out is recorded, not repeated; a settings file of the user's still says it."""
+    record = {"run": {"data": "d", "out": "o", "resume": "never", "overwrite": True,
+                      "max_steps": 4}, "model": {"preset": "bert-tiny"}}
+    again = from_file(tmp_path, json.dumps(record), name="config.json")
+    assert (again.resume, again.overwrite, again.max_steps) == ("auto", False, 4)
+    asked = from_file(tmp_path, json.dumps(record), "--resume", "never", "--overwrite",
+                      name="config.json")
+    assert (asked.resume, asked.overwrite) == ("never", True)
+    mine = from_file(tmp_path, "data: d\nout: o\nresume: never\noverwrite: true\n")
+    assert (mine.resume, mine.overwrite) == ("never", True)
+
+
+def test_init_from_the_run_being_overwritten_is_refused(mlm_dataset, tmp_path):
+    """Before: `--out R --init-from R --resume never --overwrite` deleted R, then failed with
+    "no checkpoint". The --init-from source is an input: the output gate refuses it."""
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / ".dspretrain.json").write_text('{"kind": "run directory", "command": "app train"}')
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest").write_text("global_step2")
+    before = sorted((p.name, p.read_bytes() if p.is_file() else b"") for p in run.rglob("*"))
+    for out in (run, run / "inner"):
+        proc = run_app("train", "--data", mlm_dataset, "--out", out, "--init-from", run,
+                       "--resume", "never", "--overwrite", *TINY)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert f"the input --init-from {run}" in proc.stderr
+    assert sorted((p.name, p.read_bytes() if p.is_file() else b"") for p in run.rglob("*")) \
+        == before
+
+
 @pytest.mark.parametrize("name,text,needles", [
     ("run.yaml", "data: d\nout: o\nmax_stepz: 6\n", ["unknown setting 'max_stepz'",
                                                       "did you mean max_steps?"]),

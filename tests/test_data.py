@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -131,6 +132,24 @@ def test_concat_epoch_reads_every_window_once_across_shards(small_dataset):
         assert item["attention_mask"].tolist() == [1] * 16
     assert sorted(seen) == list(range(len(ds)))
     assert seen != sorted(seen)  # shuffled
+
+
+@pytest.mark.parametrize("packing", ["concat", "doc"])
+def test_a_shard_cut_short_after_open_is_an_error_not_a_bus_error(tmp_path, packing):
+    """Before: the read of a memory-mapped page past the file's new end was a SIGBUS (this
+    process would die here). Each read asks the mapped file's size first: the batch becomes its
+    one-line error (raised by the loader in the training process) naming the shard."""
+    rng = np.random.default_rng(1)
+    root = write_dataset(tmp_path / "ds", {"train": [random_docs(rng, 40, 3, 40)]})
+    ds = TokenWindows(spec(root, packing=packing))
+    assert "error" not in ds.batch(list(range(len(ds))))  # every page mapped and read once
+    shard = root / "train_00000.bin"
+    os.truncate(shard, 16)
+    batch = ds.batch(list(range(len(ds))))
+    assert f"{shard}: 16 bytes now" in batch["error"]
+    assert "truncated under the running job" in batch["error"]
+    with pytest.raises(UserError, match="truncated under the running job"):
+        BatchLayout.of(ds.spec).unpack(batch["error"])
 
 
 def test_epoch_crossing_uses_the_next_epochs_permutation(small_dataset):

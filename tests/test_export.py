@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer, pipeline
 
 from app.__main__ import main as app_main
-from tests.helpers import TINY, check, run_app
+from app.checkpoint import manifest
+from tests.helpers import TINY, check, error_lines, flip, run_app
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +47,19 @@ def test_mlm_export_loads_with_the_trained_logits_and_fills_masks(mlm_dataset, t
     tok = AutoTokenizer.from_pretrained(out)
     answers = fill(f"def main({tok.mask_token}):", top_k=3)
     assert len(answers) == 3 and all(tok.mask_token not in a["sequence"] for a in answers)
+    assert manifest.verify(out)  # every file's size and checksum, as a checkpoint tag's
+    # --init-from reads an export or a run as `app export` reads a tag: verified, one line
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    os.truncate(cut / "model.safetensors", (cut / "model.safetensors").stat().st_size // 2)
+    bad = shutil.copytree(run, tmp_path / "bad")
+    flip(bad / "checkpoints" / "global_step6" / "mp_rank_00_model_states.pt")
+    for source, needle in ((cut, "model.safetensors"), (bad, "mp_rank_00_model_states.pt")):
+        proc = run_app("train", "--data", mlm_dataset, "--out", tmp_path / f"o_{source.name}",
+                       *TINY, "--max-steps", "2", "--init-from", source)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert [ln for ln in error_lines(proc.stderr) if needle in ln], proc.stderr[-2000:]
+        assert not (tmp_path / f"o_{source.name}").exists()
     (run / "checkpoints" / "latest").unlink()  # tags there, none named: the message lists them
     assert app_main(["export", str(run), "--out", str(tmp_path / "hf2")]) == 2
     err = capsys.readouterr().err

@@ -212,6 +212,37 @@ def test_ids_past_the_vocabulary_are_one_line_naming_the_shard(mlm_dataset, tmp_
     assert lines and all(f"{shard}: token id 65535 in sample" in ln for ln in lines), lines
 
 
+def test_a_shard_cut_short_under_a_running_job_is_one_line_and_a_checkpoint(mlm_dataset,
+                                                                           tmp_path):
+    """Before: reading the memory-mapped pages past the new end of the file was a SIGBUS: "Bus
+    error", no message, no checkpoint. Each read asks the mapped file's size first (one fstat):
+    the run stops with one line naming the shard, its last whole step saved (one rank)."""
+    data = Path(shutil.copytree(mlm_dataset, tmp_path / "data"))
+    shard, run = data / "train_00000.bin", tmp_path / "run"
+    cmd = [sys.executable, "-m", "app", "train", "--data", data, "--out", run, *TINY,
+           "--max-steps", "200", "--log-every", "1", "--eval-every", "0"]
+    proc = subprocess.Popen([str(a) for a in cmd], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=clean_env(DSPRETRAIN_TEST_SLOW_LOADER="0:0.3"))
+    try:
+        deadline = time.time() + 300
+        while not ((run / "metrics.jsonl").is_file() and metrics(run)) and \
+                time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        os.truncate(shard, shard.stat().st_size // 20)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2 and "Traceback" not in err, (proc.returncode, err[-3000:])
+    lines = [ln for ln in error_lines(err) if ": error: " in ln]
+    assert len(lines) == 1 and f"{shard}:" in lines[0] and "truncated under the running job" \
+        in lines[0], err[-3000:]
+    assert "first: once the data is whole, the same command resumes from it" in lines[0]
+    latest = (run / "checkpoints" / "latest").read_text()
+    assert latest in lines[0] and (run / "checkpoints" / latest / "manifest.json").is_file()
+
+
 @pytest.mark.multirank
 def test_a_hung_rank_is_named_by_the_watchdog(mlm_dataset, tmp_path):
     proc = _launch(["train", "--data", mlm_dataset, "--out", tmp_path / "r", *TINY,

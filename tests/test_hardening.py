@@ -247,6 +247,7 @@ def test_resume_removes_what_an_interrupted_save_left(world, tmp_path):
     run = copy_of(world["run"], tmp_path)
     partial = run / "checkpoints" / "global_step6"
     partial.mkdir()
+    (partial / ".saving").write_text("global_step6")  # what a save writes first
     (partial / "rng_rank0.pt").write_bytes(b"cut short")
     proc = check(run_app("train", "--data", world["data"], "--out", run, *TINY,
                          "--max-steps", "6", "--save-every", "2"))

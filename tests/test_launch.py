@@ -262,6 +262,20 @@ def test_an_interface_this_node_has_passes(var, value):
     assert r.returncode == 0, r.stderr
 
 
+def test_a_gloo_interface_without_an_address_is_one_line():
+    """Before: GLOO_SOCKET_IFNAME naming an interface that exists but has no address passed
+    the pre-flight, then every rank failed inside gloo."""
+    bare = [name for name in sorted(os.listdir("/sys/class/net"))
+            if subprocess.run(["ip", "-o", "addr", "show", "dev", name], capture_output=True,
+                              text=True).stdout.strip() == ""]
+    if not bare:
+        pytest.skip("every interface of this node has an address")
+    for value in (bare[0], f"lo,{bare[0]}"):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": value}
+        one_error_line(launch("--dry-run", "--procs-per-node", "2", "--", "x", env=env),
+                       f"GLOO_SOCKET_IFNAME={value}: interface {bare[0]}", "has no address")
+
+
 def test_an_interface_without_a_route_to_the_master_is_one_line():
     master = "10.255.255.1"  # not this node's, reached by its default route if it has one
     if subprocess.run(["ip", "route", "get", master], capture_output=True).returncode != 0:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from data_tools import errors, output, stage
-from data_tools.errors import UserError
+from data_tools.errors import Stopped, UserError
 
 
 def _statvfs(favail):
@@ -89,7 +89,14 @@ def test_resume_past_max_steps_is_refused(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=re.escape(
             f"{where}: the checkpoint is at step 12, past --max-tokens 640 (10 steps)")):
         settle.check_steps_left(resume, 10, SimpleNamespace(max_steps=20, max_tokens=640))
-    settle.check_steps_left(resume, 12, SimpleNamespace(max_steps=12, max_tokens=None))
+    at_end = SimpleNamespace(max_steps=12, max_tokens=None, out=tmp_path)
+    settle.check_steps_left(resume, 12, at_end)  # no summary: it died before it, resume it
+    (tmp_path / "summary.json").write_text('{"steps": 12, "tokens_seen": 1}')
+    with pytest.raises(Stopped, match=re.escape(  # finished: its rerun changes nothing
+            f"{tmp_path}: the run finished at step 12 (--max-steps 12): nothing left to train, "
+            f"nothing was changed")) as stopped:
+        settle.check_steps_left(resume, 12, at_end)
+    assert stopped.value.code == 0
     settle.check_steps_left(None, 5, cfg)
 
 

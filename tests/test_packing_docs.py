@@ -37,7 +37,7 @@ from app.model import (
 from app.settle import Phase, settle_schedule
 from app.telemetry import figures as telemetry
 from app.telemetry import flops
-from app.trainer import real_tokens, token_sums
+from app.trainer import EvalSet, eval_figures, real_tokens, token_sums
 from data_tools.errors import UserError
 
 SEQ = 64
@@ -305,6 +305,17 @@ def test_two_ranks_read_the_one_rank_stream_of_windows(short_docs, tmp_path):
 
 
 # -- real tokens ---------------------------------------------------------------------------------
+
+def test_an_eval_with_no_token_to_predict_has_no_loss():
+    """Before: lone [SEP] documents (whitespace-only ones, before prepare counted them as
+    empty) gave eval loss 0 / max(0, 1) = 0.0 and "best eval loss 0.0": a perfect model. A set
+    with no token to predict is left out; with none, no eval figures at all."""
+    a, b = EvalSet("a", 0.5, list), EvalSet("b", 0.5, list)
+    assert eval_figures([a], [[0.0, 0.0, 0.0]], "mlm") == {}
+    mixed = eval_figures([a, b], [[0.0, 0.0, 0.0], [6.0, 3.0, 1.0]], "mlm")
+    assert mixed["eval/loss"] == 2.0 and "eval/a/loss" not in mixed
+    assert mixed["eval/b/loss"] == 2.0 and mixed["eval/accuracy"] == pytest.approx(1 / 3)
+
 
 def test_stats_count_real_tokens_per_sample(short_docs):
     concat = dataset_stats(spec(short_docs, "concat"))

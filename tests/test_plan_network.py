@@ -383,6 +383,62 @@ def test_the_step_and_forward_parts_of_a_measured_step(capsys):
     assert compute_ms(req, 16, 1, None, 1.0) == pytest.approx(60 + 2 * 140)
 
 
+def test_plot_never_writes_over_what_plan_did_not_write(capsys, tmp_path):
+    """Before: `--plot DS/dataset.json` replaced the dataset's own file with a PNG. --plot goes
+    through the output gate: never a file plan did not write, nothing inside a dataset or a
+    run; its own earlier plot is replaced."""
+    data = tmp_path / "ds"
+    data.mkdir()
+    (data / "dataset.json").write_text("{}")
+    mine, other = tmp_path / "scaling.png", tmp_path / "notes.txt"
+    other.write_text("mine")
+    for target, needle in ((data / "dataset.json", "a dataset"), (data / "new.png", "a dataset"),
+                           (other, "not a plot this command wrote"), (tmp_path, "regular")):
+        assert main([*BASE, "--plot", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert f"--plot {target}" in err and needle in err and "Traceback" not in err
+    assert (data / "dataset.json").read_text() == "{}" and other.read_text() == "mine"
+    assert not (data / "new.png").exists()
+    assert main([*BASE, "--plot", str(mine)]) == 0 and main([*BASE, "--plot", str(mine)]) == 0
+    assert mine.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plan_answers_at_any_node_count(capsys):
+    """Before: --nodes 1000000 did not answer within a minute (the calls' members were found
+    per rank), and at 1,000 nodes the table's columns ran together."""
+    assert main(["plan", "--model", "bert-120m", "--nodes", "1000", "--net-gbps", "25"]) == 0
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith(("tokens/s", "global batch")):
+            cells = line.split("  ")
+            assert len([c for c in cells if c.strip()]) == 6, line  # label and five columns
+    assert main(["plan", "--model", "bert-120m", "--nodes", "1000000", "--net-gbps", "25"]) == 0
+    assert "efficiency, 1000000 node(s)" in capsys.readouterr().out
+
+
+def test_a_calls_members_per_parameter_are_those_per_window(monkeypatch):
+    """network._periodic: the parameters the windows of every rank touch, found per parameter
+    above WINDOW_LOOP_MAX windows, are the ones found window by window."""
+    import random
+
+    from app.plan.network import Grad, _periodic, _spans
+
+    rng = random.Random(0)
+    for _ in range(200):
+        layout = tuple(Grad(rng.randint(1, 5000), rng.random(), rng.random())
+                       for _ in range(rng.randint(1, 30)))
+        starts, flat = _spans(layout)
+        world = rng.randint(1, 64)
+        base = rng.randint(0, starts[-1] // 2)
+        period = max(1, (starts[-1] - base) // world)
+        offset, length = rng.randint(0, period - 1), rng.randint(1, period)
+        end = rng.choice([starts[-1], base + period * world, float("inf")])
+        args = (starts, flat, base, period, offset, length, world, end)
+        monkeypatch.setattr(network, "WINDOW_LOOP_MAX", 1 << 30)
+        slow = {id(g) for g in _periodic(*args)}
+        monkeypatch.setattr(network, "WINDOW_LOOP_MAX", 0)
+        assert {id(g) for g in _periodic(*args)} == slow
+
+
 def test_table_has_the_network_section(capsys, tmp_path):
     png = tmp_path / "scaling.png"
     assert main([*BASE, "--interconnect", "400g-ib", "--plot", str(png)]) == 0

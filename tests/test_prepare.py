@@ -266,6 +266,26 @@ def test_missing_or_unreadable_inputs_and_empty_corpus(tmp_path, wordpiece_token
     one_line_error(str(fifo), "not a regular file or directory")
 
 
+def test_whitespace_only_documents_are_empty(tmp_path, wordpiece_tokenizer, one_line_error):
+    """Before: each was kept as a lone [SEP] document, and a model trained on them with
+    --packing doc-packed reported a loss of 0.0. They are empty documents: counted, not
+    written; a corpus of nothing else is an empty corpus."""
+    corpus, out = tmp_path / "ws", tmp_path / "out"
+    corpus.mkdir()
+    for i in range(5):
+        (corpus / f"{i}.txt").write_text("   \n\t\n")
+    assert prepare("--input", corpus, "--tokenizer", wordpiece_tokenizer, "--out", out,
+                   "--workers", "1") == 2
+    one_line_error("empty corpus", "(5 empty)")
+    assert not out.exists()
+    (corpus / "real.txt").write_text("def main():\n    return 1\n")
+    assert prepare("--input", corpus, "--tokenizer", wordpiece_tokenizer, "--out", out,
+                   "--workers", "1", "--val-fraction", "0") == 0
+    manifest = load_manifest(out)
+    assert manifest["source"]["empty_documents"] == 5
+    assert manifest["splits"]["train"]["documents"] == 1
+
+
 def test_unreadable_input(tmp_path, wordpiece_tokenizer, one_line_error):
     """As root (CI) the command runs without root's capabilities, so the file's mode applies as
     it does to any user; in a process of its own, whose stderr the one-line check reads."""

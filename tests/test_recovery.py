@@ -219,11 +219,62 @@ def test_an_interrupted_tag_is_deleted_and_passed_over(tmp_path):
     run.save()
     run.steps(2)
     cut = run.save()
-    (run.ckpt_dir / cut / manifest.NAME).unlink()  # the save never finished
+    (run.ckpt_dir / cut / manifest.NAME).unlink()  # the save never finished: its mark is there
+    (run.ckpt_dir / cut / manifest.SAVING).write_text(cut)
     run.steps(2)
     assert run.check() and run.rewound == ["global_step2"]
     assert "global_step4 interrupted" in run.logger.notes[-2] and "deleted" in run.logger.notes[-2]
     assert not (run.ckpt_dir / cut).exists()
+
+
+def test_a_tag_whose_manifest_was_deleted_is_set_aside_with_its_files(tmp_path):
+    """Before: a tag whose manifest.json was deleted was removed as an interrupted save, its
+    files with it. Without the save's own mark it is no interrupted save: here its model file
+    fails the structure check (not a zip), so it is passed over and kept, named."""
+    run = FakeRun(tmp_path, losses={4: math.nan})
+    run.steps(2)
+    run.save()
+    run.steps(2)
+    tag = run.save()
+    (run.ckpt_dir / tag / manifest.NAME).unlink()
+    run.steps(2)
+    assert run.check() and run.rewound == ["global_step2"]
+    note = run.logger.notes[-2]
+    assert "global_step4 unverified" in note and "moved aside to global_step4.unverified" in note
+    assert (run.ckpt_dir / "global_step4.unverified" / "mp_rank_00_model_states.pt").is_file()
+
+
+@pytest.mark.parametrize("manifest_files", ["empty", "partial"])
+def test_an_empty_or_partial_manifest_verifies_nothing(tmp_path, manifest_files):
+    """Before: `"files": {}` counted as verified, and damaged weights were rolled back to."""
+    run = FakeRun(tmp_path, losses={6: math.nan})
+    run.steps(2)
+    run.save()
+    run.steps(2)
+    tag = run.save()
+    tag_dir = run.ckpt_dir / tag
+    flip(tag_dir / "mp_rank_00_model_states.pt")
+    listed = {} if manifest_files == "empty" else {
+        k: v for k, v in manifest.own_entries(tag_dir, 0).items() if "model_states" not in k}
+    manifest.write(tag_dir, listed)
+    run.steps(3)
+    assert run.check() and run.rewound == ["global_step2"]
+    note = run.logger.notes[-2]
+    assert "global_step4 damaged" in note
+    assert ("lists no files" if manifest_files == "empty" else
+            "mp_rank_00_model_states.pt: not listed in manifest.json") in note
+    assert (run.ckpt_dir / "global_step4.damaged").is_dir()
+
+
+def test_what_is_set_aside_is_never_deleted(tmp_path):
+    from app.checkpoint import store
+
+    for n in (1, 2, 3):
+        (tmp_path / "global_step4").mkdir()
+        (tmp_path / "global_step4" / "f").write_text(str(n))
+        assert store.set_aside(tmp_path, "global_step4", "damaged").name == \
+            "global_step4.damaged" + ("" if n == 1 else f".{n}")
+    assert sorted(p.read_text() for p in tmp_path.glob("*/f")) == ["1", "2", "3"]
 
 
 def test_no_good_checkpoint_left_stops_naming_each_one(tmp_path):
@@ -342,3 +393,28 @@ def test_two_ranks_agree_on_the_tag_a_rollback_falls_back_to(mlm_dataset, tmp_pa
     assert (run / "checkpoints" / "global_step6.damaged").is_dir()
     steps = [r["step"] for r in metrics(run) if "train/loss" in r]
     assert steps[-1] == 12 and steps.count(5) == 2
+
+
+def test_a_run_stopping_for_a_signal_keeps_its_handlers_to_its_exit():
+    """Before: StopRequests.close (trainer.close, right after the stop checkpoint) put the
+    default handlers back, so a second SIGTERM before the process exited killed it: 143
+    instead of 75. A run that stops for a signal keeps them; app.train.run releases them only
+    for another exit status."""
+    import os
+    import signal
+
+    from app.faults import preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stops = preemption.StopRequests(False)
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: the stop (a flag)
+        assert preemption.requested() == signal.SIGTERM
+        stops.close()
+        assert signal.getsignal(signal.SIGTERM) is preemption._handle
+        os.kill(os.getpid(), signal.SIGTERM)  # the second: still a flag, not a death
+        assert preemption.requested() == signal.SIGTERM
+    finally:
+        preemption.release()
+        signal.signal(signal.SIGTERM, before)
+    assert preemption.requested() == 0

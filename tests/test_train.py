@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from app.__main__ import main as app_main
-from tests.helpers import TINY, check, metrics, run_app, train_losses
+from tests.helpers import TINY, check, error_lines, metrics, run_app, snapshot, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +76,13 @@ def test_resume_continues_exactly(mlm_dataset, tmp_path):
         assert split[step] == pytest.approx(straight[step], abs=1e-6), step
     assert len({round(v, 6) for v in straight.values()}) == 6  # the losses do move
 
+    # the finished run's command again changes nothing (before: summary.json rewritten with
+    # 0 tokens/s and no final eval)
+    before = snapshot(tmp_path / "split")
+    again = check(run_app("train", *common, "--out", tmp_path / "split"))
+    assert "finished at step 6" in again.stderr and "nothing was changed" in again.stderr
+    assert snapshot(tmp_path / "split") == before
+
     # the same checkpoint on another dataset is refused, before any training
     other = tmp_path / "other_data"
     shutil.copytree(mlm_dataset, other)
@@ -86,6 +93,28 @@ def test_resume_continues_exactly(mlm_dataset, tmp_path):
                       "--max-steps", "8")
     assert refused.returncode == 2 and "refusing to resume on different data" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_a_resume_applies_a_changed_lr_and_refuses_an_optimizer_setting(mlm_dataset, tmp_path):
+    """Before: --lr on a resume was ignored (the checkpoint's LR schedule kept its base LR)
+    while config.json recorded the new value. The schedule's settings apply from the first
+    step, said in a line; the optimizer's own settings (its state carries them) are refused."""
+    common = ["--data", mlm_dataset, *TINY, "--max-steps", "6", "--log-every", "1",
+              "--warmup-steps", "0", "--lr-decay", "constant", "--lr", "1e-3"]
+    run, other = tmp_path / "run", tmp_path / "other"
+    check(run_app("train", *common, "--out", run, "--stop-at-step", "3"))
+    shutil.copytree(run, other)
+    proc = check(run_app("train", *common, "--out", run, "--lr", "2e-3"))
+    assert "resume: --lr 0.002 (the checkpoint's run: 0.001): applied from step 4" in proc.stderr
+    lrs = {m["step"]: m["train/lr"] for m in metrics(run) if "train/lr" in m}
+    assert [lrs[s] for s in range(1, 7)] == pytest.approx([1e-3] * 3 + [2e-3] * 3)
+    assert json.loads((run / "config.json").read_text())["run"]["lr"] == 2e-3
+    before = snapshot(other)
+    refused = run_app("train", *common, "--out", other, "--weight-decay", "0.1")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    lines = [ln for ln in error_lines(refused.stderr) if "error:" in ln]
+    assert len(lines) == 1 and "--weight-decay was 0.01 and is 0.1" in lines[0]
+    assert snapshot(other) == before
 
 
 def one_line_error(capsys, argv) -> str:

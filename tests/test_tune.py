@@ -262,3 +262,25 @@ def test_a_budget_below_one_sample_is_one_line(mlm_dataset, tmp_path):
                 "--out", tmp_path / "t")
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "micro batch 1 does not fit" in p.stderr and not (tmp_path / "t").exists()
+
+
+def test_tune_never_writes_over_a_file_it_did_not_write(mlm_dataset, tmp_path):
+    """--out's three files go through the output gate: a ds_config.json of the user's there is
+    refused (before: replaced); an earlier tune's files (its tune.json beside them) are not."""
+    from types import SimpleNamespace
+
+    from app.plan.tune import check_out
+    from data_tools.errors import UserError
+
+    cfg = SimpleNamespace(data=Path(mlm_dataset))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ds_config.json").write_text('{"mine": true}')
+    with pytest.raises(UserError, match=r"ds_config\.json: exists and is not a file of an "
+                                        r"earlier `app tune`"):
+        check_out(out, cfg)
+    (out / "tune.json").write_text(json.dumps({"setup": "ZeRO-0", "probes": [],
+                                               "train_flags": []}))
+    check_out(out, cfg)
+    check_out(tmp_path / "new", cfg)
+    assert (out / "ds_config.json").read_text() == '{"mine": true}'

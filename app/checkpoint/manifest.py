@@ -31,6 +31,11 @@ from data_tools.errors import UserError
 from data_tools.schema import NonNegativeInt, Schema, read_json
 
 NAME = "manifest.json"
+# The save's own mark, written first (rank 0) and removed once the manifest is written: a tag
+# with it and no manifest is a save this app began and did not finish, the only tag ever deleted
+SAVING = ".saving"
+# in a tag or an export, not of it: never listed (an export's marker is written after it)
+BOOKKEEPING = (NAME, SAVING, output.MARKER)
 ALGORITHM = "xxh3_64"
 HASH_THREADS = min(8, len(os.sched_getaffinity(0)))
 # rng_rank{R}.pt and outer_rank{R}.pt are ours; DeepSpeed's ZeRO partitions are
@@ -89,7 +94,7 @@ def own_entries(tag_dir: Path, rank: int,
     """This rank's files in `tag_dir`, hashed (call after this rank's save returned).
     `island`: (this rank's island, ranks an island) in a low-communication run."""
     files = sorted(p for p in tag_dir.rglob("*")
-                   if p.is_file() and p.name != NAME
+                   if p.is_file() and p.name not in BOOKKEEPING
                    and writer_of(str(p.relative_to(tag_dir)), island) == rank)
     return {str(p.relative_to(tag_dir)): {"size": p.stat().st_size, ALGORITHM: digest}
             for p, digest in zip(files, checksums(files))}
@@ -115,13 +120,23 @@ _verified: dict[tuple, bool] = {}
 
 def verify(tag_dir: Path) -> bool:
     """True when the tag's files match its manifest, False when it has none (a tag made before
-    manifests); UserError naming the first file that is missing, of another size or corrupt."""
+    manifests); UserError naming the first file that is missing, of another size or corrupt,
+    or not listed: a manifest verifies only when it covers every file of the tag (an empty or
+    partial one verifies nothing)."""
     path = tag_dir / NAME
     if not path.is_file():
         return False
     manifest = read_json(path, ManifestFile)
     if manifest["algorithm"] != ALGORITHM:
         raise UserError(f"{path}: algorithm {manifest['algorithm']!r}, expected {ALGORITHM}")
+    if not manifest["files"]:
+        raise UserError(f"{path}: lists no files: an empty manifest verifies nothing")
+    unlisted = sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*")
+                      if p.is_file() and p.name not in BOOKKEEPING
+                      and str(p.relative_to(tag_dir)) not in manifest["files"])
+    if unlisted:
+        raise UserError(f"{tag_dir / unlisted[0]}: not listed in {NAME}: a partial manifest "
+                        f"verifies nothing")
     todo = {}  # file -> its key in _verified: present, of its size, not read yet
     for name, entry in manifest["files"].items():
         f = tag_dir / name

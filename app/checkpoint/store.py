@@ -99,22 +99,26 @@ def latest_problem(ckpt_dir: Path) -> str | None:
 
 
 def tag_problem(ckpt_dir: Path, tag: str) -> tuple[str, str] | None:
-    """Why tag `tag` cannot be resumed, naming the file (None: it can): ("interrupted", why)
-    for a save that did not finish (no train_state.json, or no manifest though one was due, or
-    before manifests a file cut short), ("damaged", why) for files that differ from the
-    manifest."""
+    """Why tag `tag` cannot be resumed, naming the file (None: it can). Completeness and
+    integrity are separate facts:
+    ("interrupted", why): a save this app began and did not finish (its `.saving` mark and no
+    manifest): the one kind that is deleted;
+    ("unverified", why): no manifest and no such mark, and its files fail the structure check
+    (a file cut short or missing): set aside, kept;
+    ("damaged", why): its files differ from its manifest, or the manifest does not cover them
+    (an empty or partial one verifies nothing); set aside, kept.
+    A tag without a manifest whose files pass the structure check (made before manifests, or
+    its manifest deleted since) is complete as far as can be known: resumed, said to be
+    unverified (`unverified_note`)."""
     tag_dir = ckpt_dir / tag
+    has_manifest = (tag_dir / manifest.NAME).is_file()
+    if (tag_dir / manifest.SAVING).is_file() and not has_manifest:
+        return "interrupted", f"{tag_dir}: a save that did not finish (no {manifest.NAME})"
     try:
-        state = read_state(ckpt_dir, tag)
+        read_state(ckpt_dir, tag)
+        check_files(tag_dir)
     except UserError as e:
-        return "interrupted", str(e)
-    try:
-        verified = check_files(tag_dir)
-    except UserError as e:
-        return ("damaged" if (tag_dir / manifest.NAME).is_file() else "interrupted"), str(e)
-    if not verified and "manifest" in state:
-        return "interrupted", (f"{tag_dir / manifest.NAME}: missing, an interrupted save (the "
-                               f"manifest is written last)")
+        return ("damaged" if has_manifest else "unverified"), str(e)
     return None
 
 
@@ -205,8 +209,14 @@ def check_files(tag_dir: Path) -> bool:
 
 
 def unverified_note(tag_dir: Path) -> str:
-    return (f"note: {tag_dir}: made before checkpoint manifests (no {manifest.NAME}); its files "
-            f"are checked for structure only, not verified")
+    """The line for a tag resumed or read without a manifest to verify it against."""
+    try:
+        due = "manifest" in read_state(tag_dir.parent, tag_dir.name)
+    except UserError:
+        due = False
+    why = (f"its {manifest.NAME} is missing (the save wrote one: deleted since?)" if due else
+           f"made before checkpoint manifests (no {manifest.NAME})")
+    return f"note: {tag_dir}: {why}; its files are checked for structure only, not verified"
 
 
 def check_resumable(state: dict[str, Any], *, fingerprint: str, model_config: dict[str, Any],
@@ -278,6 +288,7 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
     if rank == 0:
         with output.writing(tag_dir):
             manifest.write(tag_dir, entries)
+            (tag_dir / manifest.SAVING).unlink(missing_ok=True)  # complete: its manifest says
         output.write_text_atomic(ckpt_dir / LATEST, tag)
         prune(ckpt_dir, keep_last)
         faults.damage_after_save(step, tag_dir)
@@ -288,6 +299,8 @@ def save(engine, ckpt_dir: Path, *, step: int, state: dict[str, Any], rank: int,
 def _write(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int) -> None:
     tag_dir = ckpt_dir / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # first: a tag this save began (deleted by a resume if it does not finish)
+        output.write_text_atomic(tag_dir / manifest.SAVING, f"{tag}\n")
     state = {**state, "manifest": manifest.NAME}  # this tag is complete once its manifest is
     torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
     if rank == 0:
@@ -317,31 +330,35 @@ def _save_failed(message: str, tag: str, ckpt_dir: Path, skip: bool) -> None:
 
 def remove_partial_saves(ckpt_dir: Path) -> list[str]:
     """Clear the tags after the one `--resume auto` takes (`choose_auto`), which a resume would
-    otherwise save over: interrupted saves are deleted (returned), damaged tags are set aside as
-    TAG.damaged (said here). A complete tag is never among them, whatever `latest` says."""
+    otherwise save over: interrupted saves (`tag_problem`) are deleted (returned), every other
+    tag is set aside as TAG.damaged or TAG.unverified, its files kept (said here). A complete
+    tag is never among them, whatever `latest` says."""
     tag = choose_auto(ckpt_dir, [])
     if tag is None:
         return []
     removed = []
     for name in tags_after(ckpt_dir, tag):
-        kind, why = tag_problem(ckpt_dir, name) or ("interrupted", "")
+        kind, why = tag_problem(ckpt_dir, name) or ("unverified", "")
         aside = set_aside(ckpt_dir, name, kind)
         if aside is None:
             removed.append(name)
             continue
-        print(f"moved {ckpt_dir / name} aside to {aside.name}: damaged ({why.split(': ')[0]}); "
-              f"delete it once looked at", file=sys.stderr, flush=True)
+        print(f"moved {ckpt_dir / name} aside to {aside.name}: {kind} ({why.split(': ')[0]}); "
+              f"its files are kept: delete it once looked at", file=sys.stderr, flush=True)
     return removed
 
 
 def set_aside(ckpt_dir: Path, name: str, kind: str) -> Path | None:
-    """Clear tag `name`, which a later save would write into: an interrupted save is deleted
-    (None), a damaged tag is kept for a look as TAG.damaged (returned; deleted when one is
-    there already)."""
-    aside = ckpt_dir / f"{name}.damaged"
-    if kind == "interrupted" or aside.exists():
+    """Clear tag `name`, which a later save would write into: an interrupted save (one this app
+    began and did not finish) is deleted (None); any other tag is kept for a look as TAG.KIND
+    (TAG.KIND.2, ... when that name is taken: nothing set aside is ever deleted), returned."""
+    if kind == "interrupted":
         shutil.rmtree(ckpt_dir / name, ignore_errors=True)
         return None
+    aside, n = ckpt_dir / f"{name}.{kind}", 1
+    while os.path.lexists(aside):
+        n += 1
+        aside = ckpt_dir / f"{name}.{kind}.{n}"
     (ckpt_dir / name).rename(aside)
     return aside
 
@@ -363,7 +380,7 @@ def choose_rollback(ckpt_dir: Path, step: int, device: torch.device,
             barrier()  # the tags passed over are aside before any rank reads on
             return tag, passed
         kind, why = problem or ("damaged", "unreadable on another rank")
-        where = "moved aside to TAG.damaged" if kind == "damaged" else "deleted"
+        where = "deleted" if kind == "interrupted" else f"moved aside to TAG.{kind}"
         if is_main:
             aside = set_aside(ckpt_dir, tag, kind)
             where = f"moved aside to {aside.name}" if aside else "deleted"
@@ -389,8 +406,19 @@ def load(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
 
     A checkpoint written in another layout (ZeRO stage, world size, precision, offload) is
     loaded through its universal form (app/checkpoint/universal.py): converted once by rank 0,
-    next to it.
+    next to it. The LR schedule keeps this run's base LRs (--lr: the resume contract,
+    settle.settle_changes); the caller sets the groups' LRs from it once the train state (its
+    cool-down) is loaded (app.runtime.engine.apply_lr_schedule).
     """
+    sched = getattr(engine, "lr_scheduler", None)
+    own = list(sched.base_lrs) if sched is not None else []
+    state = _load_tag(engine, ckpt_dir, tag)
+    if sched is not None and len(own) == len(sched.base_lrs):
+        sched.base_lrs = own  # the checkpoint's were its run's --lr
+    return state
+
+
+def _load_tag(engine, ckpt_dir: Path, tag: str) -> dict[str, Any]:
     tag_dir = ckpt_dir / tag
     if universal.is_universal(tag_dir):
         return universal.load(engine, tag_dir)

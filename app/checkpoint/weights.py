@@ -9,6 +9,10 @@ in the export command, it had the model module importing a command, and so an im
 """
 from __future__ import annotations
 
+import json
+import struct
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +20,60 @@ import torch
 from transformers import PretrainedConfig
 
 from app import rundir
+from app.checkpoint import manifest, universal
 from app.checkpoint import store as checkpoint
-from app.checkpoint import universal
 from app.model import config_from_dict
 from data_tools.errors import UserError
+
+_noted: set[str] = set()  # tags said to be unverified, once a process
+
+
+def check_tag(tag_dir: Path) -> None:
+    """The one check of a run's tag before its weights are read (`app export`, `--init-from
+    RUN_DIR`, through `run_weights`), the same as a resume's: its files against its manifest
+    (UserError naming the file that differs; an empty or partial manifest verifies nothing),
+    or, with none, their structure, said in a note."""
+    if not checkpoint.check_files(tag_dir) and str(tag_dir) not in _noted:
+        _noted.add(str(tag_dir))
+        print(checkpoint.unverified_note(tag_dir), file=sys.stderr)
+
+
+def check_export(directory: Path, flag: str) -> None:
+    """The one check of a Hugging Face model directory before its weights are read
+    (`--init-from DIR`): against its manifest where `app export` wrote one (as a checkpoint
+    tag's), and in any case each weights file's structure, so that a file cut short is one
+    line naming it: a safetensors file's header and the data it promises against the file's
+    size, a torch `.bin` as a zip archive."""
+    manifest.verify(directory)
+    for f in sorted(directory.glob("*.safetensors")):
+        _check_safetensors(f)
+    for f in sorted(directory.glob("*.bin")):
+        try:
+            with zipfile.ZipFile(f):
+                pass
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            raise UserError(f"{flag} {directory}: {f.name}: corrupt or truncated ({e})") from None
+
+
+def _check_safetensors(path: Path) -> None:
+    """A safetensors file whole: an 8-byte header length, a JSON header, and the tensors' data
+    (the largest end offset) within the file; UserError naming the file otherwise."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise ValueError("its header is cut short")
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                   if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, OSError) as e:
+        raise UserError(f"{path}: not a whole safetensors file ({e}): corrupt or "
+                        f"truncated") from None
+    if 8 + n + end > size:
+        raise UserError(f"{path}: {size} bytes, its header promises {8 + n + end}: the file is "
+                        f"truncated")
 
 
 def run_weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -27,7 +81,8 @@ def run_weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     run that switched stage keeps checkpoints of each, app/checkpoint/universal.py). A
     low-communication run's tag (each island's files in `islandK/`): the global weights, which
     every island holds right after a sync; a tag saved mid-round holds only the islands'
-    diverged weights, and is refused in one line."""
+    diverged weights, and is refused in one line. The tag is verified first (`check_tag`)."""
+    check_tag(ckpt_dir / tag)
     state = checkpoint.read_state(ckpt_dir, tag)
     stage = universal.saved_layout(state).zero_stage
     outer = state.get("outer")

@@ -38,6 +38,7 @@ from app.data.order import (
 from app.data.stream import TokenStream
 from app.runtime.device import cpu_share
 from data_tools.errors import UserError
+from data_tools.indexed import ShardChanged
 from data_tools.manifest import MANIFEST, load_manifest, special_ids
 
 OBJECTIVES = ("mlm", "clm")
@@ -200,7 +201,14 @@ class TokenWindows(Dataset):
     def batch(self, positions) -> dict[str, Any]:
         """The samples at `positions` as [len, seq_len] int64 arrays (`input_ids`,
         `attention_mask`, `labels`), MLM masking vectorised over them (row r is masked exactly
-        as that sample alone); `{"error": ...}` when one is corrupt."""
+        as that sample alone); `{"error": ...}` when one is corrupt, or a shard was cut short
+        under the run (raised as one line in the training process, as a corrupt sample is)."""
+        try:
+            return self._batch(positions)
+        except ShardChanged as e:
+            return {"error": str(e)}
+
+    def _batch(self, positions) -> dict[str, Any]:
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if positions.size and positions.min() < 0:
             raise IndexError(f"stream position {int(positions.min())} is negative")
@@ -385,6 +393,11 @@ def default_num_workers(local_world_size: int = 1) -> int:
     return max(0, min(2, share.cores - 1))  # 0 on an accelerator: said at start (build.py)
 
 
+class DataFault(UserError):
+    """A batch the loader could not make: a corrupt sample, a shard cut short under the run
+    (one line naming the shard; app.trainer saves first where it can)."""
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """What a micro batch hands to the model: arrays of a fixed width per sample.
@@ -470,7 +483,7 @@ class BatchLayout:
     def unpack(self, packed: np.ndarray | torch.Tensor | str) -> dict[str, torch.Tensor]:
         """The micro batch as int64 tensors: contiguous views of the packed one (pinning kept)."""
         if isinstance(packed, str):
-            raise UserError(packed)
+            raise DataFault(packed)
         if isinstance(packed, np.ndarray):
             packed = torch.from_numpy(packed).to(torch.int64)  # as embeddings and losses expect
         batch = packed.numel() // sum(self.widths)

@@ -57,6 +57,7 @@ class TokenStream:
             local = start - int(self.token_starts[s])
             take = min(stop, int(self.token_starts[s + 1])) - start
             if take > 0:
+                self.shards[s].check_extent(local + take)  # cut under the run: not a SIGBUS
                 pieces.append(self.shards[s].tokens[local:local + take])
                 start += take
             s += 1
@@ -73,4 +74,5 @@ class TokenStream:
         itemsize = shard.dtype.itemsize
         start = int(shard.pointers[first]) // itemsize
         end = int(shard.pointers[last - 1]) // itemsize + int(shard.sizes[last - 1])
+        shard.check_extent(min(end, start + limit))  # cut under the run: not a SIGBUS
         return shard.tokens[start:min(end, start + limit)], end - start

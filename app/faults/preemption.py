@@ -208,7 +208,8 @@ class StopRequests:
                 self._read(self._ballots.popleft())
         except RuntimeError:  # torch.distributed's errors (DistError and the backends')
             self._ballots.clear()
-        release()
+        if not _requested:  # a run that stops for a signal keeps its handlers to its exit: a
+            release()  # second SIGTERM after the stop checkpoint must not turn 75 into 143
 
 
 def _int_tensor(value: int, device):

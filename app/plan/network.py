@@ -401,6 +401,36 @@ def _touching(starts: list[int], flat: list[Grad], lo: float, hi: float) -> list
     return out
 
 
+# Above this many windows a call's members are found per parameter rather than per rank's
+# window (the same set: `_periodic`), so a plan at a million nodes answers in seconds
+WINDOW_LOOP_MAX = 64
+
+
+def _periodic(starts: list[int], flat: list[Grad], base: float, period: float, offset: float,
+              length: float, count: int, end: float) -> list[Grad]:
+    """The parameters that windows k = 0..count-1, [base + k·period + offset, + length) cut at
+    `end`, touch (as `_touching` each window): per rank's window below WINDOW_LOOP_MAX windows,
+    else per parameter, by the windows its span can meet (O(parameters), whatever the world)."""
+    if count <= WINDOW_LOOP_MAX:
+        out: list[Grad] = []
+        for k in range(count):
+            lo = base + k * period + offset
+            hi = min(lo + length, end)
+            if lo < hi:
+                out += _touching(starts, flat, lo, hi)
+        return out
+    out = []
+    for i, g in enumerate(flat):
+        s, e = max(starts[i], base), min(starts[i + 1], end)
+        if s >= e:
+            continue
+        first = max(0, int((s - base - offset - length) // period) + 1)
+        last = min(count - 1, ceil((e - base - offset) / period) - 1)
+        if first <= last:
+            out.append(g)
+    return out
+
+
 def partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int, blocks: int = 1,
                      per_block: int | None = None) -> list[tuple[float, float, float]]:
     """Bucket (or chunk) c = piece c of every rank's partition of the flat buffer:
@@ -417,10 +447,8 @@ def partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int, blocks: 
         lo_b, size = starts[a], starts[b] - starts[a]
         n = per_block or (pieces if blocks <= 1 else max(1, ceil(pieces * size / total)))
         for c in range(n):
-            members = []
-            for r in range(world):
-                lo = lo_b + size * (r / world + c / (world * n))
-                members += _touching(starts, flat, lo, lo + size / (world * n))
+            members = _periodic(starts, flat, lo_b, size / world, size * c / (world * n),
+                                size / (world * n), world, float("inf"))
             out.append((size / total / n, max(g.ready for g in members),
                         min(g.needed for g in members)))
     return out
@@ -473,11 +501,8 @@ def span_pieces(layout: tuple[Grad, ...], world: int, blocks: int,
     for call in spans:
         members = []
         for block, start, length in call:
-            for r in range(world):
-                lo = los[block] + r * parts[block] + start
-                hi = min(lo + length, los[block] + sizes[block])
-                if lo < hi:
-                    members += _touching(starts, flat, lo, hi)
+            members += _periodic(starts, flat, los[block], parts[block], start, length, world,
+                                 los[block] + sizes[block])
         out.append((sum(n for _, _, n in call) / total,
                     max((g.ready for g in members), default=0.0),
                     min((g.needed for g in members), default=1.0)))

@@ -18,6 +18,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from app.plan import network
@@ -35,6 +36,7 @@ from app.plan.memory import (
 )
 from app.telemetry import hardware
 from app.telemetry.flops import flops_per_token, head_fraction
+from data_tools import output
 from data_tools.errors import UserError
 
 MiB = 2 ** 20
@@ -989,12 +991,23 @@ def render(plan: Plan) -> str:
         f"{' (20 per parameter)' if not req.tokens else ''}; {peak}",
         "",
     ]
-    rows = _rows(plan)
-    width = max(len(r[0]) for r in rows)
-    for label, cells in rows:
-        lines.append(f"{label:<{width}}" + "".join(f"{c:>13}" for c in cells))
+    lines += aligned(_rows(plan))
     lines += ["", f"pick: {plan.reason}", ""] + render_network(plan)
     return "\n".join(lines)
+
+
+def aligned(rows: list[tuple[str, list[str]]], cell: int | list[int] = 13) -> list[str]:
+    """Table lines: the labels left-aligned, each column right-aligned in `cell` characters (one
+    figure for every column, or one a column), wider where a cell needs it, so that no two
+    columns run together at any size (a thousand nodes' tokens/s)."""
+    width = max(len(label) for label, _ in rows)
+    count = max(len(cells) for _, cells in rows)
+    least = cell if isinstance(cell, list) else [cell] * count
+    widths = [max([least[min(i, len(least) - 1)]] +
+                  [len(cells[i]) + 2 for _, cells in rows if i < len(cells)])
+              for i in range(count)]
+    return [f"{label:<{width}}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+            for label, cells in rows]
 
 
 def render_network(plan: Plan) -> list[str]:
@@ -1018,9 +1031,7 @@ def render_network(plan: Plan) -> list[str]:
                      f"island), an outer sync of the {req.outer_dtype} weights every {every} "
                      f"steps, blocking" + ("" if req.outer_every else ", H as recommended")
                      + "; app train runs it at ZeRO 0-2 in fp32 or bf16")
-    rows = _network_rows(plan)
-    width = max(len(r[0]) for r in rows)
-    lines += [f"{label:<{width}}" + "".join(f"{c:>13}" for c in cells) for label, cells in rows]
+    lines += aligned(_network_rows(plan))
     why = plan.choice.lines if plan.choice else (plan.net_reason,)
     return lines + render_modes(plan) + ["", f"network pick: {why[0]}", *why[1:]]
 
@@ -1039,10 +1050,9 @@ def render_modes(plan: Plan) -> list[str]:
         + (" (below min)" if (o.outer_every or 0) < req.min_outer_every else ""),
         o.setup.label, f"{o.micro_batch} x {o.grad_accum}", f"{o.t.step_ms:,.1f}",
         f"{o.efficiency:.2f}", f"{o.node_bytes / MiB:,.1f}") for o in choice.modes]
-    width = max(len(r[0]) for r in rows)
     return ["", f"modes at {plan.net.nodes} node(s), each at its fastest batch within "
-            f"{choice.bound:,} tokens a step{default}:"] + [
-        f"{r[0]:<{width}}" + f"{r[1]:>8}" + "".join(f"{c:>15}" for c in r[2:]) for r in rows]
+            f"{choice.bound:,} tokens a step{default}:"] + aligned(
+        [(r[0], list(r[1:])) for r in rows], [8, 15])
 
 
 def _network_rows(plan: Plan) -> list[tuple[str, list[str]]]:
@@ -1210,6 +1220,8 @@ def run(args: argparse.Namespace) -> int:
         args.gpus = args.nodes * (args.gpus_per_node or 8) if args.nodes else 1
     req = PlanRequest(**{k: v for k, v in vars(args).items() if k in names and k != "model_args"},
                       model_args=tuple(args.model_args))
+    if args.plot:  # refused before the plan is made
+        output.claim_file(Path(args.plot), "--plot", ours=plan_plot, what="plot")
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's import logs to stdout
         plan = make_plan(req)
     if args.plot:
@@ -1222,10 +1234,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_plot(plan: Plan, path: str) -> None:
-    """The predicted scaling efficiency against nodes per stage (the paper's Figure 1)."""
-    from pathlib import Path
+PLOT_SOFTWARE = "dspretrain app plan"  # the PNG's Software text: what makes a plot plan's own
 
+
+def plan_plot(path: Path) -> bool:
+    """True when `path` is a PNG an earlier `app plan --plot` wrote (its Software text chunk,
+    which comes before the image data)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and PLOT_SOFTWARE.encode() in head
+
+
+def write_plot(plan: Plan, path: str) -> None:
+    """The predicted scaling efficiency against nodes per stage (the paper's Figure 1), through
+    the file gate of data_tools/output.py: never over a file plan did not write."""
+    import io
+
+    target = Path(path)
+    output.claim_file(target, "--plot", ours=plan_plot, what="plot")
     try:
         import matplotlib
     except ImportError:
@@ -1255,9 +1284,10 @@ def write_plot(plan: Plan, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    buf = io.BytesIO()
     try:
-        fig.savefig(Path(path), format="png", dpi=100)
-    except OSError as e:
-        raise UserError(f"--plot {path}: {e.strerror or e}") from None
+        fig.savefig(buf, format="png", dpi=100, metadata={"Software": PLOT_SOFTWARE})
     finally:
         plt.close(fig)
+    output.make_dirs(target.parent, "--plot")
+    output.write_bytes_atomic(target, buf.getvalue())

@@ -17,6 +17,7 @@ directories; the outputs are written atomically at the very end, so nothing half
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -34,6 +35,7 @@ from app.plan.memory import CPU, GPU, GiB, Workload, ZeroSetup
 from app.plan.probe import ProbeResult, interrupt_on_term, remove_shm_buffers, run_probe
 from app.runtime.device import accelerator_memory_bytes, usable_cores
 from app.runtime.dist import free_port
+from data_tools import output
 from data_tools.errors import UserError
 from data_tools.manifest import MANIFEST
 from data_tools.output import check_apart, write_json_atomic, write_text_atomic
@@ -507,13 +509,31 @@ def write_outputs(res: TuneResult, settings: TuneSettings, base_values: dict[str
     return paths
 
 
+OUTPUT_FILES = ("ds_config.json", "tune.json", "train.args")  # write_outputs' three
+
+
 def check_out(out: Path, cfg: TrainConfig) -> None:
     """--out holds tune's three files: never a dataset (its dataset.json marks it), nor inside
-    or around one of --data's (compared as files: output.check_apart)."""
-    check_apart(out, [("--data", p) for p in read_sources(cfg.data).paths])
+    or around one of --data's (compared as files: output.check_apart), and each file through
+    the output gate (output.claim_file): one that is there is replaced only when an earlier
+    tune wrote it (its tune.json beside it), never a file of the user's."""
+    inputs = [("--data", p) for p in read_sources(cfg.data).paths]
+    check_apart(out, inputs)
     if (out / MANIFEST).exists():
         raise UserError(f"--out {out}: a dataset directory (it holds {MANIFEST}); choose a "
                         f"directory of its own for tune's files")
+    for name in OUTPUT_FILES:
+        output.claim_file(out / name, "--out", ours=lambda _: tune_made(out),
+                          what="file of an earlier `app tune`", inputs=inputs)
+
+
+def tune_made(out: Path) -> bool:
+    """Whether `out` holds an earlier tune's files: its tune.json, with tune's own keys."""
+    try:
+        report = json.loads((out / "tune.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and {"setup", "probes", "train_flags"} <= report.keys()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -368,7 +368,7 @@ fi
 # naming the interface and the master and returns 1 when not. Self-contained: check_hosts runs
 # it on every host (declare -f).
 iface_problem() {
-  local master="$1" var given value exact name w addr route here=() wanted=() matched=() reach
+  local master="$1" var given value exact name w w_addrs addr route here=() wanted=() matched=() reach
   for name in /sys/class/net/*; do here+=("${name##*/}"); done
   addr="$(getent ahostsv4 "$master" 2>/dev/null | awk 'NR == 1 { print $1 }')" || addr=""
   route="$(ip -o route get "$addr" 2>/dev/null)" || route=""
@@ -399,7 +399,10 @@ iface_problem() {
     # without an address passed the checks above and then failed every rank inside gloo
     if [ "$var" = GLOO_SOCKET_IFNAME ] && command -v ip >/dev/null 2>&1; then
       for w in "${wanted[@]}"; do
-        if ! ip -o addr show dev "$w" 2>/dev/null | grep -q ' inet6\? '; then
+        # read whole, then matched: `ip ... | grep -q` under pipefail fails when grep stops at
+        # the first of several address lines and ip dies of SIGPIPE on the next
+        w_addrs="$(ip -o addr show dev "$w" 2>/dev/null || true)"
+        if ! [[ "$w_addrs" =~ [[:space:]]inet6?[[:space:]] ]]; then
           echo "$var=$given: interface $w on $(hostname) has no address, so gloo cannot bind its ranks to it (interfaces with one: $(ip -o addr show 2>/dev/null | awk '{ print $2 }' | sort -u | paste -sd ' ' -))"
           return 1
         fi

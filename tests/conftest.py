@@ -32,7 +32,8 @@ NO_TRAINING = "DSPRETRAIN_TEST_NO_TRAINING"
 
 
 def _workers() -> int:
-    """TEST_WORKERS, else one per core up to 8 (tests/run.sh and whole-suite pytest runs)."""
+    """TEST_WORKERS, else one per core up to 8: the one rule of tests/run.sh and of whole-suite
+    pytest runs."""
     if os.environ.get("TEST_WORKERS"):
         return int(os.environ["TEST_WORKERS"])
     return min(len(os.sched_getaffinity(0)), 8)

@@ -38,7 +38,7 @@ export WANDB_MODE=offline
 # One pytest worker per core, up to 8 (pytest-xdist; TEST_WORKERS=N to choose, 0 for none), each
 # taking whole test files (their module fixtures train once). Most tests spend their time starting
 # processes and waiting on them: two workers on 2 cores took 0.62 of one's time (README).
-workers="${TEST_WORKERS:-$(python -c 'import os; print(min(len(os.sched_getaffinity(0)), 8))')}"
+workers="$(python -c 'from tests.conftest import _workers; print(_workers())')"  # one rule
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
 if [ "${COVERAGE:-0}" != 1 ]; then

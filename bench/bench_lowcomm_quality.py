@@ -9,6 +9,10 @@ plan recommends, the eval loss at equal tokens within 2 % of synchronous trainin
 Every run goes through launch.sh (the real launcher, `--procs-per-node RANKS`), one after
 another; OUT/quality.json has every run's eval losses, OUT/quality.md the table (the last eval's
 loss per run and its difference from sync's), OUT/quality.png the curves.
+
+`--outer-lr` and `--outer-momentum` take lists: every H runs with every pair (the outer-settings
+sweep). A run already finished in OUT with the same command (OUT/runs/NAME.cmd) is read, not run
+again, so a stopped benchmark goes on where it stopped and a new H or setting reuses sync's run.
 """
 from __future__ import annotations
 
@@ -33,16 +37,42 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=4, help="ranks, one island each (default 4)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps a run (default 2000)")
     p.add_argument("--outer-every", default="20,50,100", help="the H values (default 20,50,100)")
+    p.add_argument("--outer-lr", default="",
+                   help="outer learning rates to sweep, e.g. 1,0.7 (default: the app's)")
+    p.add_argument("--outer-momentum", default="",
+                   help="outer Nesterov momenta to sweep, e.g. 0,0.9 (default: the app's)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--zero", type=int, default=1)
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds a run")
     p.add_argument("train_args", nargs=argparse.REMAINDER, metavar="-- TRAIN_ARGS")
     args = p.parse_args()
     args.train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    args.hs = [int(h) for h in args.outer_every.split(",") if h]
+    try:
+        args.hs = [int(h) for h in args.outer_every.split(",") if h]
+        args.lrs = [float(x) for x in args.outer_lr.split(",") if x] or [None]
+        args.moms = [float(x) for x in args.outer_momentum.split(",") if x] or [None]
+    except ValueError as e:
+        raise UserError(f"--outer-every, --outer-lr and --outer-momentum take lists of numbers: "
+                        f"{e}") from None
     if args.ranks < 2 or args.steps < 1 or not args.hs or min(args.hs) < 1:
         raise UserError("--ranks at least 2, --steps and every --outer-every at least 1")
     return args
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(name, train flags) of every diloco run: each H with each outer lr and momentum."""
+    out = []
+    for h in args.hs:
+        for lr in args.lrs:
+            for mom in args.moms:
+                name, flags = f"diloco-H{h}", ["--dp-mode", "diloco", "--island-ranks", "1",
+                                                "--outer-every", str(h)]
+                if lr is not None:
+                    name, flags = f"{name}-lr{lr:g}", [*flags, "--outer-lr", f"{lr:g}"]
+                if mom is not None:
+                    name, flags = f"{name}-m{mom:g}", [*flags, "--outer-momentum", f"{mom:g}"]
+                out.append((name, flags))
+    return out
 
 
 def run(name: str, mode: list[str], args: argparse.Namespace) -> dict:
@@ -52,16 +82,38 @@ def run(name: str, mode: list[str], args: argparse.Namespace) -> dict:
            "--eval-every", str(args.eval_every), "--log-every", str(args.eval_every),
            "--save-every", "0", "--wandb", "disabled", "--resume", "never", "--overwrite",
            "--zero", str(args.zero), *mode, *args.train_args]
+    record = out.with_suffix(".cmd")  # the command a finished run in OUT was run with
+    done = finished(out, args.steps) if record.exists() and \
+        record.read_text().strip() == shlex.join(cmd) else None
+    if done is not None:
+        print(f"quality: {name}: finished before with the same command, read", file=sys.stderr,
+              flush=True)
+        return {"name": name, "mode": mode, "wall_s": done[0], "evals": done[1], "reused": True}
     print(f"quality: {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    record.unlink(missing_ok=True)
     start = time.time()
     with open(out.with_suffix(".log"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
     if proc.returncode != 0:
         return {"name": name, "error": f"exit {proc.returncode} (log {out.with_suffix('.log')})"}
+    wall = round(time.time() - start, 1)
+    (out / "bench_wall_s").write_text(f"{wall}\n")
+    record.write_text(shlex.join(cmd) + "\n")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     evals = [(r["tokens_seen"], r["eval/loss"]) for r in rows if "eval/loss" in r]
-    return {"name": name, "mode": mode, "wall_s": round(time.time() - start, 1),
-            "evals": evals}
+    return {"name": name, "mode": mode, "wall_s": wall, "evals": evals}
+
+
+def finished(out: Path, steps: int) -> tuple[float, list] | None:
+    """(wall seconds, evals) of a run in `out` that reached `steps`, else None."""
+    try:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+        wall = float((out / "bench_wall_s").read_text())
+    except (OSError, ValueError):
+        return None
+    if not any(r.get("step") == steps and "eval/loss" in r for r in rows):
+        return None
+    return wall, [(r["tokens_seen"], r["eval/loss"]) for r in rows if "eval/loss" in r]
 
 
 def table(runs: list[dict]) -> str:
@@ -109,9 +161,8 @@ def main() -> int:
         return 2
     (args.out / "runs").mkdir(parents=True, exist_ok=True)
     runs = [run("sync", [], args)]
-    for h in args.hs:
-        runs.append(run(f"diloco-H{h}", ["--dp-mode", "diloco", "--island-ranks", "1",
-                                         "--outer-every", str(h)], args))
+    for name, flags in variants(args):
+        runs.append(run(name, flags, args))
         (args.out / "quality.json").write_text(json.dumps({"runs": runs}, indent=1))
     text = table(runs)
     (args.out / "quality.json").write_text(json.dumps({"command": shlex.join(sys.argv),

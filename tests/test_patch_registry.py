@@ -339,7 +339,10 @@ def test_deepspeeds_own_path_trains_the_same_losses_as_the_patched_one(mlm_datas
     norms = {name: [r["train/grad_norm"] for r in map(json.loads, (tmp_path / name /
                                                                       "metrics.jsonl").open())
                     if "train/grad_norm" in r] for name in ("all-z0-bf16", "nounfused-z0-bf16")}
-    assert norms["all-z0-bf16"] == norms["nounfused-z0-bf16"]
+    # equal to float64 rounding: the app combines the group norms with torch's double ops,
+    # DeepSpeed with Python floats; bit-equal in every run but one full-suite run of 2026-11-29
+    # (2.807026899564256 against 2.8070268995642556, one ulp, every loss bit-equal)
+    assert norms["all-z0-bf16"] == pytest.approx(norms["nounfused-z0-bf16"], rel=1e-12, abs=0)
     assert _losses(tmp_path / "all-z0-bf16") == _losses(tmp_path / "nounfused-z0-bf16")
 
 

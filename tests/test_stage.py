@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from filelock import FileLock
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from data_tools.__main__ import main as data_tools_main
@@ -239,7 +240,10 @@ def test_killed_stage_resumes(tmp_path):
 # ----------------------------------------------------------------------------- concurrency
 
 def test_four_concurrent_stagers_copy_once(tmp_path):
-    """Four processes (every local rank of a node) start at the same instant: one copies."""
+    """Four processes (every local rank of a node) start at the same instant: one copies, the
+    others wait for its lock and find the copy done. The test holds the destination's lock until
+    all four have started (the race to it is not this test's: an idle box once let the first
+    finish its copy before the others reached the lock), so they all meet it held."""
     src = make_dataset(tmp_path / "src", shards=4, docs_per_shard=40, doc_tokens=50_000)
     dst = tmp_path / "dst"
     ready = tmp_path / "ready"
@@ -251,8 +255,19 @@ def test_four_concurrent_stagers_copy_once(tmp_path):
             f"while len(os.listdir({str(ready)!r})) < 4: time.sleep(0.01)\n"
             f"sys.exit(main(['stage', '--quiet', '--json', '--src', {str(src)!r}, "
             f"'--dst', {str(dst)!r}]))")
+    dst.mkdir()
+    held = FileLock(str(dst / LOCK_NAME))
+    held.acquire(timeout=0)
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 120
+        while len(os.listdir(ready)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.0)  # imported: milliseconds from the lock; a second's margin
+        assert not (dst / MANIFEST).exists()  # nothing copied while the lock was held
+    finally:
+        held.release()
     results = []
     for p in procs:
         out, err = p.communicate(timeout=120)
@@ -261,7 +276,7 @@ def test_four_concurrent_stagers_copy_once(tmp_path):
     total = results[0]["total_bytes"]
     copied = sorted(r["copied_bytes"] for r in results)
     assert copied == [0, 0, 0, total]
-    assert sum(r["waited_for_lock"] for r in results) >= 1  # they did overlap
+    assert sum(r["waited_for_lock"] for r in results) == 4  # each met the lock held
     assert_same_dataset(src, dst)
 
 

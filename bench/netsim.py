@@ -632,7 +632,7 @@ def plan_scaling(args: argparse.Namespace, compute: tuple[float, ...], rate: int
     from data_tools.manifest import load_manifest
 
     compute_ms, step_ms, forward_ms = (*compute, None, None)[:3]
-    cmd = [sys.executable, "-m", "app", "plan", *model_flags(args), "--gpus", "2",
+    cmd = [*model_flags(args), "--gpus", "2",
            "--gpus-per-node", "1", "--nodes", "2", "--compute-ms", f"{compute_ms:.1f}",
            "--net-gbps", f"{(rate or 100e9) * TCP_PAYLOAD_SHARE / 1e9:g}", "--json", *extra]
     for flag, value in (("--precision", "fp32"), ("--device-kind", "cpu"),
@@ -641,14 +641,32 @@ def plan_scaling(args: argparse.Namespace, compute: tuple[float, ...], rate: int
                         ("--forward-ms", forward_ms and f"{forward_ms:.1f}")):
         if flag in help_text and value:
             cmd += [flag, value]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=node_env(1))
-    if proc.returncode != 0:
+    code, stdout = app_plan(cmd)
+    if code != 0:
         return None
     try:
-        plan = json.loads(proc.stdout)
+        plan = json.loads(stdout)
     except ValueError:
         return None
     return {"efficiency": stage_efficiency(plan), "step_ms": stage_efficiency(plan, "step_ms")}
+
+
+def app_plan(argv: list[str]) -> tuple[int, str]:
+    """`python -m app plan ARGV` run in this process: its exit status and what it printed. The
+    planner is arithmetic on its flags (no device, no environment, no state kept), so this is
+    the command's output without a process of its own, whose imports cost ~6 s a call."""
+    import contextlib
+    import io
+
+    from app.__main__ import main as app_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            code = app_main(["plan", *argv])
+        except SystemExit as e:  # argparse: --help, a usage error
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return int(code or 0), out.getvalue()
 
 
 def stage_efficiency(plan, key: str = "efficiency") -> dict[str, float]:
@@ -686,8 +704,7 @@ def planned(args: argparse.Namespace, runs: list[dict], rates: list[int | None]
     measured stages only); empty (and a note) when the planner has no network model."""
     if not args.plan:
         return {}, {}
-    help_text = subprocess.run([sys.executable, "-m", "app", "plan", "--help"],
-                               capture_output=True, text=True, cwd=REPO, env=node_env(1)).stdout
+    help_text = app_plan(["--help"])[1]
     if "--compute-ms" not in help_text or "--net-gbps" not in help_text:
         say("--plan: this app's `app plan` has no --compute-ms/--net-gbps; no planned curve")
         return {}, {}

@@ -19,7 +19,7 @@ import torch
 
 from app import rundir
 from app.checkpoint import store as checkpoint
-from app.checkpoint import universal
+from app.checkpoint import tags, universal
 from app.checkpoint.train_state import TrainState
 from app.config import TrainConfig
 from app.data.order import skip_ahead
@@ -102,7 +102,7 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     if plan.world.is_main:  # before the group starts, so a failure here is one line everywhere
         prepare_run_dir(cfg, plan.resume)
         if plan.switch.convert:  # once, next to the checkpoint (checkpoint.load reuses it)
-            universal.ensure(*plan.resume, checkpoint.read_state(*plan.resume), plan.switch.now,
+            universal.ensure(*plan.resume, tags.read_state(*plan.resume), plan.switch.now,
                              names_for=skeleton_group_names)
     data_dirs = (stage_data(cfg, plan.sources, plan.world) if cfg.stage_to
                  else list(plan.sources.paths))
@@ -160,7 +160,7 @@ def prepare_run_dir(cfg: TrainConfig, resume: tuple[Path, str] | None) -> None:
     rundir.create(cfg.out)
     if cfg.resume != "auto":
         return
-    for tag in checkpoint.remove_partial_saves(cfg.out / rundir.CHECKPOINTS):
+    for tag in tags.remove_partial_saves(cfg.out / rundir.CHECKPOINTS):
         print(f"removed {cfg.out / rundir.CHECKPOINTS / tag}: an interrupted save (resuming "
               f"an earlier checkpoint)", file=sys.stderr)
 

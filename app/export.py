@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from app import reference, rundir
-from app.checkpoint import manifest
-from app.checkpoint import store as checkpoint
+from app.checkpoint import manifest, tags
 from app.checkpoint.weights import config_from_run, run_weights
 from app.model import build_model
 from data_tools import output
@@ -41,13 +40,13 @@ def run(args: argparse.Namespace) -> int:
     run_config = rundir.read_run_config(run_dir)
     output.claim(out, KIND, COMMAND, overwrite=args.overwrite, inputs=[("RUN_DIR", run_dir)])
     ckpt_dir = run_dir / rundir.CHECKPOINTS
-    tag = args.tag or checkpoint.latest_tag(ckpt_dir)
+    tag = args.tag or tags.latest_tag(ckpt_dir)
     if tag is None or not (ckpt_dir / tag).is_dir():
-        tags = checkpoint.all_tags(ckpt_dir) if ckpt_dir.is_dir() else []
+        names = tags.all_tags(ckpt_dir) if ckpt_dir.is_dir() else []
         what = f"no checkpoint tag {tag}" if args.tag else (
-            f"no '{checkpoint.LATEST}' naming a checkpoint" if tags else "no checkpoint to export")
-        raise UserError(f"{ckpt_dir}: {what}" + (f"; its tags: {', '.join(tags)}: pass one "
-                                                 f"with --tag" if tags else ""))
+            f"no '{tags.LATEST}' naming a checkpoint" if names else "no checkpoint to export")
+        raise UserError(f"{ckpt_dir}: {what}" + (f"; its tags: {', '.join(names)}: pass one "
+                                                 f"with --tag" if names else ""))
     weights = run_weights(ckpt_dir, tag)  # verified against its manifest (check_tag)
     print(step_note(run_dir, tag), file=sys.stderr)
     model = build_model(config_from_run(run_dir, run_config))
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         # every file's size and checksum, as a checkpoint tag's: --init-from verifies it
         manifest.write(tmp, manifest.own_entries(tmp, 0))
         # checked before the export is in place
-        checked = reference.compare(run_dir, tmp, checkpoint.step_of(tag), objective)
+        checked = reference.compare(run_dir, tmp, tags.step_of(tag), objective)
         if checked is not None:
             diff, tolerance = checked
             print(f"check: max |logits - training logits| = {diff:.2e} (tolerance "
@@ -89,12 +88,12 @@ def last_step(run_dir: Path) -> int | None:
 def step_note(run_dir: Path, tag: str) -> str:
     """Which step is exported, and whether the run went further without a checkpoint: a
     12-step run whose last save was at step 5 exports step 5's weights, and should say so."""
-    step = checkpoint.step_of(tag)
+    step = tags.step_of(tag)
     line = f"exporting {tag}" + (f" (step {step})" if step is not None else "")
     last = last_step(run_dir)
     if step is not None and last is not None and last > step:
         line += f"; the run reached step {last}: the steps after {step} are not in this export"
-        if not checkpoint.tags_after(run_dir / rundir.CHECKPOINTS, tag):
+        if not tags.tags_after(run_dir / rundir.CHECKPOINTS, tag):
             line += " (no checkpoint holds them)"
     return line
 

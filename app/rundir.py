@@ -7,7 +7,7 @@ directories `app train` may write into or replace (docs/design.md, "Run director
     RUN_DIR/summary.json      written at the end: steps, tokens, wall time, throughput, best eval
     RUN_DIR/reference.pt      the final model's logits on a fixed batch (checks an export)
     RUN_DIR/tokenizer/        copy of the dataset's tokenizer (an export takes it from here)
-    RUN_DIR/checkpoints/      DeepSpeed checkpoint tags + `latest` (app.checkpoint.store)
+    RUN_DIR/checkpoints/      DeepSpeed checkpoint tags + `latest` (app.checkpoint.store, .tags)
     RUN_DIR/wandb/            the wandb run (its id in wandb/run_id, so a resume continues it)
     RUN_DIR/skipped_batches.jsonl  global batches skipped after an anomaly (every resume too)
 """

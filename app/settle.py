@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from app import rundir
 from app.checkpoint import store as checkpoint
+from app.checkpoint import tags
 from app.checkpoint.train_state import ONE_DOCUMENT_A_SAMPLE, phase_position
 from app.checkpoint.universal import (
     Layout,
@@ -169,7 +170,7 @@ def settle_dp_resume(cfg: TrainConfig, resume: tuple[Path, str] | None, island_r
     diloco: the islands start a round from the checkpoint's weights) or refused in one line."""
     if resume is None:
         return
-    state = checkpoint.read_state(*resume)
+    state = tags.read_state(*resume)
     saved = (state.get("run_config") or {})
     saved_mode = saved.get("dp_mode", "sync")
     tag_dir = resume[0] / resume[1]
@@ -314,7 +315,7 @@ def settle_phase(cfg: TrainConfig, resume: tuple[Path, str] | None, global_batch
     the start-up line saying which samples it starts from."""
     if resume is None:
         return None
-    state = checkpoint.read_state(*resume)
+    state = tags.read_state(*resume)
     old = int((state.get("run_config") or {}).get("seq_len") or cfg.seq_len)
     if old == cfg.seq_len:
         return None
@@ -403,13 +404,13 @@ def settle_resume(cfg: TrainConfig, sources: Sources, model_config, objective: s
     if resume is None:
         return None
     where = resume[0] / resume[1]
-    state = checkpoint.read_state(*resume)
+    state = tags.read_state(*resume)
     sources.check_resume(state.get("mixture"), where)
     checkpoint.check_resumable(state, fingerprint=sources.fingerprint,
                                model_config=model_config.to_dict(),
                                sample_layout=sample_layout(cfg, objective), where=where)
-    if not checkpoint.check_files(where) and is_main and not is_universal(where):
-        print(checkpoint.unverified_note(where), file=sys.stderr)
+    if not tags.check_files(where) and is_main and not is_universal(where):
+        print(tags.unverified_note(where), file=sys.stderr)
     for note in settle_changes(cfg, state, where) if is_main else ():
         print(note, file=sys.stderr)
     return resume
@@ -465,7 +466,7 @@ def settle_init(cfg: TrainConfig, model_config, sources: Sources, resume: tuple[
     check_init_config(model_config, source, vocab, where, cfg.model_name)
     same = check_init_tokenizer(where, sources.items[0])
     if is_main:
-        tag = (f" checkpoint {checkpoint.latest_tag(where / rundir.CHECKPOINTS)}"
+        tag = (f" checkpoint {tags.latest_tag(where / rundir.CHECKPOINTS)}"
                if rundir.is_run_dir(where) else "")
         print(f"init: weights from {where}{tag} ({source.model_type}, {source.vocab_size} tokens; "
               f"{'the same tokenizer' if same else 'no tokenizer there: vocabulary size checked'}"
@@ -503,7 +504,7 @@ def check_steps_left(resume: tuple[Path, str] | None, total_steps: int, cfg: Tra
     and summary.json would be rewritten with 0 tokens/s."""
     if resume is None:
         return
-    step = int(checkpoint.read_state(*resume)["step"])
+    step = int(tags.read_state(*resume)["step"])
     limit = (f"--max-steps {cfg.max_steps}" if total_steps == cfg.max_steps
              else f"--max-tokens {cfg.max_tokens} ({total_steps} steps)")
     if step == total_steps and finished(cfg.out, resume, step):
@@ -547,7 +548,7 @@ def settle_switch(resume: tuple[Path, str] | None, ds: dict[str, Any], world: Wo
     entry = {"step": 0, **asdict(now)}
     if resume is None:
         return Switch(None, now, (entry,), False)
-    state = checkpoint.read_state(*resume)
+    state = tags.read_state(*resume)
     saved = saved_layout(state)
     history = tuple(state.get("history") or ({"step": 0, **asdict(saved)},))
     tag_dir = resume[0] / resume[1]
@@ -672,11 +673,11 @@ def check_run_dir(cfg: TrainConfig, sources: Sources, notes: list[str] | None = 
     --overwrite, nor continued from another run's checkpoint."""
     rundir.check_out(cfg.out, sources.paths, is_main, cfg.init_from)
     ckpt_dir = cfg.out / rundir.CHECKPOINTS
-    resume = checkpoint.find_resume(cfg.resume, cfg.out, notes)
+    resume = tags.find_resume(cfg.resume, cfg.out, notes)
     previous = [n for n in (rundir.CHECKPOINTS, rundir.METRICS, rundir.SUMMARY)
                 if (cfg.out / n).exists()]
     if resume is None and not cfg.overwrite:
-        has_ckpt = bool(checkpoint.all_tags(ckpt_dir)) or (ckpt_dir / checkpoint.LATEST).exists()
+        has_ckpt = bool(tags.all_tags(ckpt_dir)) or (ckpt_dir / tags.LATEST).exists()
         if previous and (cfg.resume == "never" or has_ckpt):
             raise UserError(f"--out {cfg.out}: holds a previous run ({', '.join(previous)}); "
                             f"continue it with --resume auto, or replace it with --overwrite")
@@ -687,7 +688,7 @@ def check_run_dir(cfg: TrainConfig, sources: Sources, notes: list[str] | None = 
         raise UserError(f"--out {cfg.out}: holds another run ({', '.join(held)}); resuming "
                         f"{resume[0] / resume[1]} there would mix two runs: resume into a new "
                         f"--out, or continue that run with --resume auto (nothing was changed)")
-    newer = checkpoint.tags_after(ckpt_dir, resume[1])
+    newer = tags.tags_after(ckpt_dir, resume[1])
     if newer:  # saving here would interleave two histories and prune the wrong one
         raise UserError(f"--resume {resume[0] / resume[1]}: {ckpt_dir} holds later "
                         f"checkpoints ({', '.join(newer)}); resume into another --out, or "

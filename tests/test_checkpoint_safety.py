@@ -310,18 +310,18 @@ def test_checksums_of_several_files_at_once_are_those_of_one_at_a_time(tmp_path,
 
 
 def test_latest_problem_says_what_latest_is(tmp_path):
-    from app.checkpoint import store
+    from app.checkpoint import tags
 
     latest = tmp_path / "latest"
-    assert store.latest_problem(tmp_path) == f"{latest} is missing"
+    assert tags.latest_problem(tmp_path) == f"{latest} is missing"
     latest.symlink_to(tmp_path / "nowhere")
-    assert store.latest_problem(tmp_path) == f"{latest} is a dangling link"
+    assert tags.latest_problem(tmp_path) == f"{latest} is a dangling link"
     latest.unlink()
     os.mkfifo(latest)  # never opened: a FIFO would block the read
-    assert store.latest_problem(tmp_path) == f"{latest} is not a regular file"
-    assert store.latest_tag(tmp_path) is None
+    assert tags.latest_problem(tmp_path) == f"{latest} is not a regular file"
+    assert tags.latest_tag(tmp_path) is None
     latest.unlink()
     latest.write_text("global_step5")
-    assert store.latest_problem(tmp_path) == f"{latest} names no checkpoint ('global_step5')"
+    assert tags.latest_problem(tmp_path) == f"{latest} names no checkpoint ('global_step5')"
     (tmp_path / TAG5).mkdir()
-    assert store.latest_problem(tmp_path) is None and store.latest_tag(tmp_path) == TAG5
+    assert tags.latest_problem(tmp_path) is None and tags.latest_tag(tmp_path) == TAG5

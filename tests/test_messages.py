@@ -79,7 +79,7 @@ def test_export_says_which_step_and_that_the_run_went_further(tmp_path):
 
 def test_resume_past_max_steps_is_refused(tmp_path, monkeypatch):
     from app import settle
-    monkeypatch.setattr(settle.checkpoint, "read_state", lambda d, tag: {"step": 12})
+    monkeypatch.setattr(settle.tags, "read_state", lambda d, tag: {"step": 12})
     resume = (tmp_path / "checkpoints", "global_step12")
     where = tmp_path / "checkpoints" / "global_step12"
     cfg = SimpleNamespace(max_steps=5, max_tokens=None)

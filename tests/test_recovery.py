@@ -267,12 +267,12 @@ def test_an_empty_or_partial_manifest_verifies_nothing(tmp_path, manifest_files)
 
 
 def test_what_is_set_aside_is_never_deleted(tmp_path):
-    from app.checkpoint import store
+    from app.checkpoint import tags
 
     for n in (1, 2, 3):
         (tmp_path / "global_step4").mkdir()
         (tmp_path / "global_step4" / "f").write_text(str(n))
-        assert store.set_aside(tmp_path, "global_step4", "damaged").name == \
+        assert tags.set_aside(tmp_path, "global_step4", "damaged").name == \
             "global_step4.damaged" + ("" if n == 1 else f".{n}")
     assert sorted(p.read_text() for p in tmp_path.glob("*/f")) == ["1", "2", "3"]
 

@@ -218,7 +218,7 @@ def test_resume_checks_geometry_but_lets_dropout_change(tmp_path):
 
 
 def test_an_empty_or_foreign_latest_is_no_checkpoint(tmp_path):
-    from app.checkpoint.store import latest_tag
+    from app.checkpoint.tags import latest_tag
 
     (tmp_path / "global_step7").mkdir()
     (tmp_path / "notes").mkdir()
@@ -230,7 +230,7 @@ def test_an_empty_or_foreign_latest_is_no_checkpoint(tmp_path):
 
 def test_resuming_an_older_tag_beside_later_ones_is_refused(tmp_path):
     # saving from step 110 next to an abandoned 200 and 300 would mix two histories
-    from app.checkpoint.store import tags_after
+    from app.checkpoint.tags import tags_after
 
     for step in (100, 200, 300):
         (tmp_path / f"global_step{step}").mkdir()

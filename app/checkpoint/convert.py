@@ -13,8 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from app.checkpoint import store as checkpoint
-from app.checkpoint import universal
+from app.checkpoint import tags, universal
 from data_tools import output
 from data_tools.errors import UserError
 
@@ -40,14 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.to_world < 1:
         raise UserError(f"--to-world {args.to_world}: must be at least 1")
-    ckpt_dir, tag = checkpoint.find_at(args.ckpt, "CKPT")
+    ckpt_dir, tag = tags.find_at(args.ckpt, "CKPT")
     source = ckpt_dir / tag
     if universal.is_universal(source):
         raise UserError(f"{source}: already a converted checkpoint; resume from it directly "
                         f"(any stage and world size)")
-    state = checkpoint.read_state(ckpt_dir, tag)
-    if not checkpoint.check_files(source):  # verified against its manifest, or said
-        print(checkpoint.unverified_note(source), file=sys.stderr)
+    state = tags.read_state(ckpt_dir, tag)
+    if not tags.check_files(source):  # verified against its manifest, or said
+        print(tags.unverified_note(source), file=sys.stderr)
     saved = universal.saved_layout(state)
     target = universal.Layout(args.to_zero, args.to_world, args.to_precision or saved.precision,
                               saved.offload if args.to_zero > 0 else False,

@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig
 
 from app import rundir
-from app.checkpoint import manifest, universal
+from app.checkpoint import manifest, tags, universal
 from app.checkpoint import store as checkpoint
 from app.model import config_from_dict
 from data_tools.errors import UserError
@@ -33,9 +33,9 @@ def check_tag(tag_dir: Path) -> None:
     RUN_DIR`, through `run_weights`), the same as a resume's: its files against its manifest
     (UserError naming the file that differs; an empty or partial manifest verifies nothing),
     or, with none, their structure, said in a note."""
-    if not checkpoint.check_files(tag_dir) and str(tag_dir) not in _noted:
+    if not tags.check_files(tag_dir) and str(tag_dir) not in _noted:
         _noted.add(str(tag_dir))
-        print(checkpoint.unverified_note(tag_dir), file=sys.stderr)
+        print(tags.unverified_note(tag_dir), file=sys.stderr)
 
 
 def check_export(directory: Path, flag: str) -> None:
@@ -83,7 +83,7 @@ def run_weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     every island holds right after a sync; a tag saved mid-round holds only the islands'
     diverged weights, and is refused in one line. The tag is verified first (`check_tag`)."""
     check_tag(ckpt_dir / tag)
-    state = checkpoint.read_state(ckpt_dir, tag)
+    state = tags.read_state(ckpt_dir, tag)
     stage = universal.saved_layout(state).zero_stage
     outer = state.get("outer")
     if outer is None:
@@ -101,7 +101,7 @@ def run_weights(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
 def latest_of(run_dir: Path) -> tuple[Path, str]:
     """(checkpoint dir, latest tag) of a run directory; UserError when it has none."""
     ckpt_dir = run_dir / rundir.CHECKPOINTS
-    tag = checkpoint.latest_tag(ckpt_dir)
+    tag = tags.latest_tag(ckpt_dir)
     if tag is None:
         raise UserError(f"{ckpt_dir}: no checkpoint to take weights from")
     return ckpt_dir, tag

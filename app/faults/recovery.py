@@ -15,7 +15,7 @@ from typing import Callable, NoReturn
 import torch
 
 from app import rundir
-from app.checkpoint import store as checkpoint
+from app.checkpoint import tags
 from app.checkpoint.train_state import TrainState
 from app.data.order import skip_ahead
 from app.faults import anomaly
@@ -151,11 +151,11 @@ class Recovery:
                           anomaly.EXIT_ANOMALY)
 
     def rollback_tag(self, found: anomaly.Anomaly) -> str:
-        """The newest good checkpoint at or before this step (app.checkpoint.store
+        """The newest good checkpoint at or before this step (app.checkpoint.tags
         .choose_rollback): a damaged or interrupted tag is passed over for the previous one, in
         one line; Stopped when no good tag is left."""
-        tag, passed = checkpoint.choose_rollback(self.ckpt_dir, self.state.step,
-                                                 self.monitor.device, self.is_main)
+        tag, passed = tags.choose_rollback(self.ckpt_dir, self.state.step,
+                                           self.monitor.device, self.is_main)
         if tag is None and not passed:
             raise Stopped(f"{found.describe()}, and no checkpoint to roll back to (save more "
                           f"often: --save-every)", anomaly.EXIT_ANOMALY)
@@ -174,6 +174,6 @@ class Recovery:
         EXIT_PREEMPTED (`--resume auto` continues exactly)."""
         if not self.check(rows, rewind) and save is not None:
             save()
-        saved = self.ckpt_dir / (checkpoint.latest_tag(self.ckpt_dir) or "(none)")
+        saved = self.ckpt_dir / (tags.latest_tag(self.ckpt_dir) or "(none)")
         raise Stopped(f"a stop signal at step {self.state.step}: {saved} saved; run the same "
                       f"command again to continue", EXIT_PREEMPTED)

@@ -82,7 +82,9 @@ def run(name: str, mode: list[str], args: argparse.Namespace) -> dict:
            "--eval-every", str(args.eval_every), "--log-every", str(args.eval_every),
            "--save-every", "0", "--wandb", "disabled", "--resume", "never", "--overwrite",
            "--zero", str(args.zero), *mode, *args.train_args]
-    record = out.with_suffix(".cmd")  # the command a finished run in OUT was run with
+    # beside the run, named after it whole (with_suffix would take "m0.5"'s ".5" for a suffix)
+    record, log_path = out.parent / f"{name}.cmd", out.parent / f"{name}.log"
+    # record: the command a finished run in OUT was run with
     done = finished(out, args.steps) if record.exists() and \
         record.read_text().strip() == shlex.join(cmd) else None
     if done is not None:
@@ -92,10 +94,10 @@ def run(name: str, mode: list[str], args: argparse.Namespace) -> dict:
     print(f"quality: {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     record.unlink(missing_ok=True)
     start = time.time()
-    with open(out.with_suffix(".log"), "w") as log:
+    with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
     if proc.returncode != 0:
-        return {"name": name, "error": f"exit {proc.returncode} (log {out.with_suffix('.log')})"}
+        return {"name": name, "error": f"exit {proc.returncode} (log {log_path})"}
     wall = round(time.time() - start, 1)
     (out / "bench_wall_s").write_text(f"{wall}\n")
     record.write_text(shlex.join(cmd) + "\n")

@@ -125,6 +125,8 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     outer = getattr(engine, "app_outer", None)
     if outer is not None and not outer.loaded:  # a fresh round from the weights it has
         outer.reset_anchor()
+    if outer is not None and plan.resume is None and world.is_main:
+        print(DILOCO_FROM_SCRATCH, file=sys.stderr)
     preemption.stop_before_loop("while building the engine", stops.agree_now())
     stops.start()  # a signal from now on: the loop saves a checkpoint
     run_config = describe_run(plan, engine, world, data_dirs, n_params, threads)
@@ -224,6 +226,13 @@ def _engine(plan: Plan, cooldown: anomaly.Cooldown, patches: frozenset[str] = re
     if cfg.compile:
         engine.compile()
     return engine, n_params
+
+
+DILOCO_FROM_SCRATCH = (
+    "note: --dp-mode diloco from random weights: DiLoCo starts from synchronously trained ones, "
+    "and on this app its outer step from step 0 stalled or trailed synchronous training where a "
+    "synchronous start did not (docs/benchmarks.md); train the first steps with --dp-mode sync, "
+    "then resume with --dp-mode diloco (docs/recipes.md)")
 
 
 def record_run(plan: Plan, engine, run_config: dict[str, Any], data_dir: Path,

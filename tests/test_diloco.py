@@ -139,6 +139,11 @@ def test_a_change_of_mode_or_islands_is_converted_or_refused(straight, mlm_datas
     check(train(mlm_dataset, sync, "--zero", "1", "--max-steps", "2"))
     resumed = check(train(mlm_dataset, sync, *DILOCO, "--zero", "1", "--max-steps", "4"))
     assert "is a synchronous run's; the islands start a round from its weights" in resumed.stderr
+    # the recipe: from a synchronous start no note; from random weights, the note saying so
+    assert "diloco from random weights" not in resumed.stderr
+    fresh = check(train(mlm_dataset, tmp_path / "fresh", *DILOCO, "--zero", "1", "--max-steps",
+                        "1"))
+    assert fresh.stderr.count("note: --dp-mode diloco from random weights") == 1
 
 
 @pytest.mark.parametrize("argv,needles", [

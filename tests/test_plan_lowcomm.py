@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from app.__main__ import main
+from app.config import TrainConfig
 from app.plan import network
 from app.plan.network import Job, Link, LowComm, island_shape, outer_sync
 from app.plan.planner import MAX_GLOBAL_BATCH_TOKENS
@@ -127,6 +128,9 @@ def test_the_issues_job_recommends_diloco_within_the_bound(capsys):
     assert pick["global_batch_tokens"] == pick["micro_batch"] * pick["grad_accum"] * 256 * 512
     assert {"zero_stage", "micro_batch", "grad_accum", "island_ranks"} <= set(pick)
     assert pick["island_ranks"] == 2 and pick["outer_dtype"] == "fp32"
+    # the outer settings the pick runs with: app train's defaults
+    assert (pick["outer_lr"], pick["outer_momentum"]) == (TrainConfig.outer_lr,
+                                                          TrainConfig.outer_momentum)
     # every mode's row, within the bound; no synchronous stage reaches the target
     modes = net["modes"]
     sync = [m for m in modes if m["dp_mode"] == "sync"]
@@ -194,6 +198,7 @@ def test_the_text_has_the_modes_and_the_pick(capsys):
         assert needle in out, needle
     pick = out[out.index("network pick:"):].splitlines()
     assert len(pick) == 2 and "diloco, an outer sync every" in pick[0]
+    assert "Start synchronously: train the first steps with --dp-mode sync" in pick[1]
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -579,6 +579,8 @@ class Option:
         return {"dp_mode": self.dp_mode, "outer_every": self.outer_every,
                 "island_ranks": req.island if low else None,
                 "outer_dtype": req.outer_dtype if low else None,
+                "outer_lr": outer_defaults()[0] if low else None,
+                "outer_momentum": outer_defaults()[1] if low else None,
                 "zero": self.setup.label, "zero_stage": self.setup.stage,
                 "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                 "global_batch": self.global_batch,
@@ -761,7 +763,18 @@ def _choice_reason(req: PlanRequest, where: str, pick: Option,
     return first, (f"Synchronous at best: {sync.efficiency:.2f} ({sync.setup.label} at micro "
                    f"batch {sync.micro_batch} x grad accum {sync.grad_accum}, "
                    f"{sync.node_bytes / MiB:,.1f} MB per node per step). Quality depends on H "
-                   f"(at least {req.min_outer_every} here): docs/benchmarks.md.")
+                   f"(at least {req.min_outer_every} here): docs/benchmarks.md. Start "
+                   f"synchronously: train the first steps with --dp-mode sync, then resume with "
+                   f"--dp-mode diloco (outer lr {outer_defaults()[0]:g}, Nesterov momentum "
+                   f"{outer_defaults()[1]:g}; docs/recipes.md).")
+
+
+def outer_defaults() -> tuple[float, float]:
+    """`app train`'s outer learning rate and Nesterov momentum (--outer-lr, --outer-momentum):
+    what a --dp-mode diloco pick runs with."""
+    from app.config import TrainConfig
+
+    return TrainConfig.outer_lr, TrainConfig.outer_momentum
 
 
 def _gb(n: float) -> str:

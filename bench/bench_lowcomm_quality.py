@@ -10,6 +10,10 @@ Every run goes through launch.sh (the real launcher, `--procs-per-node RANKS`), 
 another; OUT/quality.json has every run's eval losses, OUT/quality.md the table (the last eval's
 loss per run and its difference from sync's), OUT/quality.png the curves.
 
+`--sync-start N` runs DiLoCo's protocol: one synchronous run of the same schedule stopped and
+saved at step N, and every diloco run resumed from a copy of it (`--resume auto`, converted to
+the mode), so the runs share their first N steps with sync.
+
 `--outer-lr` and `--outer-momentum` take lists: every H runs with every pair (the outer-settings
 sweep). A run already finished in OUT with the same command (OUT/runs/NAME.cmd) is read, not run
 again, so a stopped benchmark goes on where it stopped and a new H or setting reuses sync's run.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +46,10 @@ def parse() -> argparse.Namespace:
                    help="outer learning rates to sweep, e.g. 1,0.7 (default: the app's)")
     p.add_argument("--outer-momentum", default="",
                    help="outer Nesterov momenta to sweep, e.g. 0,0.9 (default: the app's)")
+    p.add_argument("--sync-start", type=int, default=0, metavar="N",
+                   help="diloco runs start from a synchronous run's checkpoint at step N of the "
+                        "same schedule (DiLoCo's protocol; docs/recipes.md); default 0: from "
+                        "random weights")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--zero", type=int, default=1)
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds a run")
@@ -56,6 +65,8 @@ def parse() -> argparse.Namespace:
                         f"{e}") from None
     if args.ranks < 2 or args.steps < 1 or not args.hs or min(args.hs) < 1:
         raise UserError("--ranks at least 2, --steps and every --outer-every at least 1")
+    if not 0 <= args.sync_start < args.steps:
+        raise UserError(f"--sync-start {args.sync_start}: a step before --steps {args.steps}")
     return args
 
 
@@ -75,17 +86,23 @@ def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return out
 
 
-def run(name: str, mode: list[str], args: argparse.Namespace) -> dict:
+def run(name: str, mode: list[str], args: argparse.Namespace, start: Path | None = None,
+        stop: int | None = None) -> dict:
+    """One run of `args.steps` (the schedule's length) through launch.sh: from step 0, or
+    resumed from a copy of the run at `start` (a synchronous start: its checkpoint at
+    --sync-start); `stop`: stopped and saved there."""
     out = args.out / "runs" / name
+    begin = (["--resume", "auto", "--save-every", "0"] if start is not None else
+             ["--resume", "never", "--overwrite", "--save-every", str(stop or 0)])
     cmd = ["bash", str(REPO / "launch.sh"), "--procs-per-node", str(args.ranks), "--",
            "--data", str(args.data), "--out", str(out), "--max-steps", str(args.steps),
            "--eval-every", str(args.eval_every), "--log-every", str(args.eval_every),
-           "--save-every", "0", "--wandb", "disabled", "--resume", "never", "--overwrite",
-           "--zero", str(args.zero), *mode, *args.train_args]
+           *begin, "--wandb", "disabled", "--zero", str(args.zero), *mode,
+           *(["--stop-at-step", str(stop)] if stop else []), *args.train_args]
     # beside the run, named after it whole (with_suffix would take "m0.5"'s ".5" for a suffix)
     record, log_path = out.parent / f"{name}.cmd", out.parent / f"{name}.log"
     # record: the command a finished run in OUT was run with
-    done = finished(out, args.steps) if record.exists() and \
+    done = finished(out, stop or args.steps) if record.exists() and \
         record.read_text().strip() == shlex.join(cmd) else None
     if done is not None:
         print(f"quality: {name}: finished before with the same command, read", file=sys.stderr,
@@ -93,12 +110,16 @@ def run(name: str, mode: list[str], args: argparse.Namespace) -> dict:
         return {"name": name, "mode": mode, "wall_s": done[0], "evals": done[1], "reused": True}
     print(f"quality: {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     record.unlink(missing_ok=True)
-    start = time.time()
+    if start is not None:  # the synchronous start's checkpoint, copied: resumed in this mode
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(start, out)
+        (out / "bench_wall_s").unlink(missing_ok=True)
+    began = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
     if proc.returncode != 0:
         return {"name": name, "error": f"exit {proc.returncode} (log {log_path})"}
-    wall = round(time.time() - start, 1)
+    wall = round(time.time() - began, 1)
     (out / "bench_wall_s").write_text(f"{wall}\n")
     record.write_text(shlex.join(cmd) + "\n")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
@@ -163,8 +184,18 @@ def main() -> int:
         return 2
     (args.out / "runs").mkdir(parents=True, exist_ok=True)
     runs = [run("sync", [], args)]
+    start = None
+    if args.sync_start:  # DiLoCo's protocol: the islands start from synchronously trained weights
+        first = run(f"sync-start{args.sync_start}", [], args, stop=args.sync_start)
+        if "error" in first:
+            runs.append(first)
+        else:
+            start = args.out / "runs" / first["name"]
     for name, flags in variants(args):
-        runs.append(run(name, flags, args))
+        if args.sync_start and start is None:
+            break
+        runs.append(run(name + (f"-from{args.sync_start}" if start else ""), flags, args,
+                        start=start))
         (args.out / "quality.json").write_text(json.dumps({"runs": runs}, indent=1))
     text = table(runs)
     (args.out / "quality.json").write_text(json.dumps({"command": shlex.join(sys.argv),

@@ -143,3 +143,31 @@ def test_bench_relink_times_both_loops_on_a_real_engine():
     out = ok(bench("bench_relink.py", "--model", "bert-tiny", "--calls", "2", "--rounds", "1"))
     line = out.splitlines()[-1]
     assert line.startswith("bert-tiny, ZeRO-2, ") and "DeepSpeed's relink" in line
+
+
+def test_lowcomm_quality_names_each_variant_and_its_synchronous_start(tmp_path, monkeypatch):
+    """bench_lowcomm_quality.py: every H with every outer lr and momentum, named whole (a
+    momentum of 0.5 is not a file suffix), and --sync-start inside the schedule (in-process:
+    nothing trains)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_lowcomm_quality", REPO / "bench" / "bench_lowcomm_quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    base = ["bench_lowcomm_quality.py", "--data", str(tmp_path), "--out", str(tmp_path / "o"),
+            "--steps", "100"]
+    monkeypatch.setattr(sys, "argv", [*base, "--outer-every", "20,100", "--outer-lr", "1",
+                                      "--outer-momentum", "0,0.5", "--", "--model", "bert-tiny"])
+    args = quality.parse()
+    names = [name for name, _ in quality.variants(args)]
+    assert names == ["diloco-H20-lr1-m0", "diloco-H20-lr1-m0.5", "diloco-H100-lr1-m0",
+                     "diloco-H100-lr1-m0.5"]
+    flags = dict(quality.variants(args))["diloco-H100-lr1-m0.5"]
+    assert flags[-6:] == ["--outer-every", "100", "--outer-lr", "1", "--outer-momentum", "0.5"]
+    assert args.train_args == ["--model", "bert-tiny"] and args.sync_start == 0
+    for bad in (["--sync-start", "100"], ["--outer-lr", "x"]):
+        monkeypatch.setattr(sys, "argv", [*base, *bad])
+        with pytest.raises(quality.UserError):
+            quality.parse()

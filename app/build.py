@@ -125,7 +125,7 @@ def build(cfg: TrainConfig, device: Device | None = None) -> Built:
     outer = getattr(engine, "app_outer", None)
     if outer is not None and not outer.loaded:  # a fresh round from the weights it has
         outer.reset_anchor()
-    if outer is not None and plan.resume is None and world.is_main:
+    if outer is not None and plan.resume is None and plan.init_from is None and world.is_main:
         print(DILOCO_FROM_SCRATCH, file=sys.stderr)
     preemption.stop_before_loop("while building the engine", stops.agree_now())
     stops.start()  # a signal from now on: the loop saves a checkpoint

@@ -576,11 +576,11 @@ class Option:
 
     def to_json(self, req: PlanRequest) -> dict[str, Any]:
         low = self.dp_mode == "diloco"
+        outer_lr, outer_momentum = outer_defaults() if low else (None, None)
         return {"dp_mode": self.dp_mode, "outer_every": self.outer_every,
                 "island_ranks": req.island if low else None,
                 "outer_dtype": req.outer_dtype if low else None,
-                "outer_lr": outer_defaults()[0] if low else None,
-                "outer_momentum": outer_defaults()[1] if low else None,
+                "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                 "zero": self.setup.label, "zero_stage": self.setup.stage,
                 "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                 "global_batch": self.global_batch,
@@ -760,13 +760,14 @@ def _choice_reason(req: PlanRequest, where: str, pick: Option,
              f"node per step, global batch {pick.global_batch_tokens:,} tokens.")
     if pick.dp_mode == "sync" or sync is None:
         return (first,)
+    outer_lr, outer_momentum = outer_defaults()
     return first, (f"Synchronous at best: {sync.efficiency:.2f} ({sync.setup.label} at micro "
                    f"batch {sync.micro_batch} x grad accum {sync.grad_accum}, "
                    f"{sync.node_bytes / MiB:,.1f} MB per node per step). Quality depends on H "
                    f"(at least {req.min_outer_every} here): docs/benchmarks.md. Start "
                    f"synchronously: train the first steps with --dp-mode sync, then resume with "
-                   f"--dp-mode diloco (outer lr {outer_defaults()[0]:g}, Nesterov momentum "
-                   f"{outer_defaults()[1]:g}; docs/recipes.md).")
+                   f"--dp-mode diloco (outer lr {outer_lr:g}, Nesterov momentum "
+                   f"{outer_momentum:g}; docs/recipes.md).")
 
 
 def outer_defaults() -> tuple[float, float]:

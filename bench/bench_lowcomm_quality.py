@@ -122,21 +122,28 @@ def run(name: str, mode: list[str], args: argparse.Namespace, start: Path | None
     wall = round(time.time() - began, 1)
     (out / "bench_wall_s").write_text(f"{wall}\n")
     record.write_text(shlex.join(cmd) + "\n")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
-    evals = [(r["tokens_seen"], r["eval/loss"]) for r in rows if "eval/loss" in r]
-    return {"name": name, "mode": mode, "wall_s": wall, "evals": evals}
+    return {"name": name, "mode": mode, "wall_s": wall, "evals": evals_of(metrics(out))}
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").open()]
+
+
+def evals_of(rows: list[dict]) -> list[tuple[int, float]]:
+    """(tokens seen, eval loss) of every eval a run logged."""
+    return [(r["tokens_seen"], r["eval/loss"]) for r in rows if "eval/loss" in r]
 
 
 def finished(out: Path, steps: int) -> tuple[float, list] | None:
     """(wall seconds, evals) of a run in `out` that reached `steps`, else None."""
     try:
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+        rows = metrics(out)
         wall = float((out / "bench_wall_s").read_text())
     except (OSError, ValueError):
         return None
     if not any(r.get("step") == steps and "eval/loss" in r for r in rows):
         return None
-    return wall, [(r["tokens_seen"], r["eval/loss"]) for r in rows if "eval/loss" in r]
+    return wall, evals_of(rows)
 
 
 def table(runs: list[dict]) -> str:

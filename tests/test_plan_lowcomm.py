@@ -121,9 +121,9 @@ def test_the_issues_job_recommends_diloco_within_the_bound(capsys):
     net, bound = p["network"], MAX_GLOBAL_BATCH_TOKENS["mlm"]
     pick = net["pick"]
     assert net["max_global_batch_tokens"] == bound == 8192 * 512 and net["dp_mode"] == "sync"
-    assert pick["dp_mode"] == "diloco" and pick["outer_every"] >= network.MIN_OUTER_EVERY
-    assert pick["outer_every"] in network.OUTER_EVERY_CANDIDATES
-    assert pick["efficiency"] >= network.TARGET_EFFICIENCY and pick["reaches_target"]
+    assert (net["min_outer_every"], net["max_outer_every"]) == (20, 50) == (
+        network.MIN_OUTER_EVERY, network.MAX_OUTER_EVERY)
+    assert pick["dp_mode"] == "diloco" and pick["outer_every"] in network.OUTER_EVERY_CANDIDATES
     assert pick["global_batch_tokens"] <= bound
     assert pick["global_batch_tokens"] == pick["micro_batch"] * pick["grad_accum"] * 256 * 512
     assert {"zero_stage", "micro_batch", "grad_accum", "island_ranks"} <= set(pick)
@@ -140,19 +140,47 @@ def test_the_issues_job_recommends_diloco_within_the_bound(capsys):
     assert sorted(low) == list(network.OUTER_EVERY_CANDIDATES)
     assert all(m["zero_stage"] in network.LOW_COMM_STAGES for m in low.values())
     assert all(m["global_batch_tokens"] <= bound for m in modes)
-    # larger H: less traffic, higher efficiency; the pick is the smallest H that reaches it
+    # larger H: less traffic, higher efficiency. In fp32 only H=100 and up reach the target,
+    # above the quality bound (H=50): the pick is the closest within it, H=50, and the reason
+    # names both ways out (the bf16 exchange at H=50, or raising the bound to 100)
     eff = [low[h]["efficiency"] for h in sorted(low)]
     assert eff == sorted(eff)
-    assert min(h for h, m in low.items() if m["reaches_target"] and h >= 20) == \
-        pick["outer_every"]
+    assert min(h for h, m in low.items() if m["reaches_target"]) == 100
+    assert pick["outer_every"] == 50 and not pick["reaches_target"]
+    assert pick["efficiency"] == pytest.approx(low[50]["efficiency"])
     assert low[100]["node_bytes_per_step"] * 100 == pytest.approx(
         2 * 127 / 128 * 4 * p["model"]["parameters"], rel=1e-6)
-    assert "diloco" in net["recommendation"] and "Synchronous at best" in net["recommendation"]
+    why = net["recommendation"]
+    for needle in ("nothing reaches efficiency 0.9; closest: diloco", "Synchronous at best",
+                   "Quality depends on H (20 to 50 here)",
+                   "With --outer-dtype bf16 (half the outer sync's bytes",
+                   "diloco at H=50 would reach 0.9", "Diloco at H=100 would reach 0.9",
+                   "above --max-outer-every 50"):
+        assert needle in why, needle
     # a tighter bound is kept to; the default per objective is what the JSON reports
     tight = plan_json(capsys, *ISSUE, "--max-global-batch-tokens", "1.5e6")["network"]
     assert tight["max_global_batch_tokens"] == 1_500_000
     assert tight["pick"]["global_batch_tokens"] <= 1_500_000
     assert all(m["global_batch_tokens"] <= 1_500_000 for m in tight["modes"])
+
+
+def test_the_outer_every_bound_and_the_bf16_exchange(capsys):
+    """The ways out the reason names: a bf16 exchange reaches the target at H=50, within the
+    bound; a raised --max-outer-every lets the fp32 pick take H=100; a lowered one is kept to."""
+    half = plan_json(capsys, *ISSUE, "--outer-dtype", "bf16")["network"]
+    assert (half["pick"]["outer_every"], half["pick"]["outer_dtype"]) == (50, "bf16")
+    assert half["pick"]["reaches_target"] and "would reach" not in half["recommendation"]
+    raised = plan_json(capsys, *ISSUE, "--max-outer-every", "100")["network"]
+    assert raised["max_outer_every"] == 100
+    assert raised["pick"]["outer_every"] == 100 and raised["pick"]["reaches_target"]
+    assert "Quality depends on H (20 to 100 here)" in raised["recommendation"]
+    low = plan_json(capsys, *ISSUE, "--max-outer-every", "20")["network"]
+    assert low["pick"]["outer_every"] == 20 and not low["pick"]["reaches_target"]
+    # the text marks the rows outside the bounds
+    assert main([*ISSUE]) == 0
+    out = capsys.readouterr().out
+    assert "diloco H=10 (below min)" in out and "diloco H=100 (above max)" in out
+    assert "diloco H=50 " in out and "diloco H=50 (" not in out
 
 
 def test_each_stage_has_the_modes_network_object(capsys):
@@ -208,6 +236,8 @@ def test_the_text_has_the_modes_and_the_pick(capsys):
     (["--island-ranks", "3"], "--island-ranks 3"),  # neither a divisor of 2 nor whole nodes
     (["--island-ranks", "8"], "not a whole number of islands"),  # 4 devices
     (["--min-outer-every", "0"], "--min-outer-every 0"),
+    (["--max-outer-every", "0"], "--max-outer-every 0"),
+    (["--min-outer-every", "100"], "above --max-outer-every 50"),
     (["--max-global-batch-tokens", "0"], "--max-global-batch-tokens 0"),
     (["--max-global-batch-tokens", "-5"], "must be positive"),
     (["--max-global-batch-tokens", "inf"], "finite"),

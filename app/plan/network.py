@@ -804,6 +804,13 @@ was tuned for H in the hundreds, and at a handful of inner steps its momentum ac
 every step's update on top of AdamW's. The issue's quality target is set at H >= 20. The
 evidence for a given model is the quality benchmark in docs/benchmarks.md (eval loss against
 tokens, synchronous against several H, same global batch), not this constant."""
+MAX_OUTER_EVERY = 50
+"""The largest H the plan recommends unless told otherwise (`--max-outer-every`): the largest
+measured to keep the eval loss within 2 % of synchronous data parallelism at the same global
+batch and tokens (docs/benchmarks.md, "Low-communication quality": 4 islands, 2,000 steps from a
+250-step synchronous start, +1.46 % at H = 20, +1.89 % at H = 50, +2.7 % at H = 100). Like the
+global batch bound, it stands for what the optimizer tolerates, which the wire model cannot
+see; a user whose own quality run holds at a larger H raises it."""
 TARGET_EFFICIENCY = 0.9
 """The efficiency a recommended mode reaches at the planned node count: the share of the step
 the devices compute (compute / step: tokens/s per device against a node that communicates

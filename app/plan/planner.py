@@ -19,7 +19,7 @@ import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from app.plan import network
 from app.plan.inputs import ModelInfo, describe_model, dropout_flags, setup_ds, zero_setups
@@ -142,6 +142,8 @@ class PlanRequest:
     """The outer sync's exchange dtype."""
     min_outer_every: int = network.MIN_OUTER_EVERY
     """The smallest H the recommendation may take."""
+    max_outer_every: int = network.MAX_OUTER_EVERY
+    """The largest H the recommendation may take (quality: network.MAX_OUTER_EVERY)."""
     max_global_batch_tokens: float | None = None
     """Tokens per optimizer step no recommendation exceeds (default: MAX_GLOBAL_BATCH_TOKENS
     for the model's objective)."""
@@ -216,6 +218,11 @@ class PlanRequest:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         _positive("min_outer_every", self.min_outer_every)
+        _positive("max_outer_every", self.max_outer_every)
+        if self.max_outer_every < self.min_outer_every:
+            raise UserError(f"--min-outer-every {self.min_outer_every}: above --max-outer-every "
+                            f"{self.max_outer_every} (the largest H the plan recommends: "
+                            f"docs/benchmarks.md); give both")
         if self.outer_every is not None and self.dp_mode != "diloco":
             raise UserError(f"--outer-every {self.outer_every}: the low-communication mode's; "
                             f"give --dp-mode diloco too")
@@ -617,9 +624,11 @@ class NetworkChoice:
 
 def outer_every_candidates(req: PlanRequest) -> list[int]:
     """The H the plan predicts: network.OUTER_EVERY_CANDIDATES, the user's --outer-every and
-    the floor --min-outer-every (so that one at least may be recommended)."""
+    the bounds --min-outer-every and --max-outer-every (so that one at least may be
+    recommended)."""
     extra = {req.outer_every} if req.outer_every else set()
-    return sorted(set(network.OUTER_EVERY_CANDIDATES) | extra | {req.min_outer_every})
+    return sorted(set(network.OUTER_EVERY_CANDIDATES) | extra
+                  | {req.min_outer_every, req.max_outer_every})
 
 
 def search_options(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup],
@@ -675,9 +684,10 @@ def recommend_network(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup]
     """Mode, H, stage and batch within the global batch bound (efficiency: `Option.efficiency`,
     compute over the step). Synchronous data parallelism where some stage and batch reaches
     network.TARGET_EFFICIENCY at `net.nodes` nodes (the smallest batch per device that does,
-    then `best_of`); else the low-communication mode at the smallest H, at least
-    --min-outer-every, that reaches it (quality falls as H grows: network.MIN_OUTER_EVERY), at
-    its smallest batch there; else the fastest of either, said so."""
+    then `best_of`); else the low-communication mode at the smallest H within --min-outer-every
+    and --max-outer-every that reaches it (quality falls as H grows: network.MIN_OUTER_EVERY,
+    network.MAX_OUTER_EVERY), at its smallest batch there; else the fastest of either within
+    those bounds, said so, with the smallest H above the bound that would reach it."""
     bound = max_global_batch_tokens(req, info)
     world = net.nodes * req.per_node
     where = (f"{net.link.inter_gbps:g} Gb/s per node, {net.nodes} node(s), global batch at "
@@ -696,7 +706,7 @@ def recommend_network(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup]
     target = network.TARGET_EFFICIENCY
     sync = [o for o in options if o.dp_mode == "sync"]
     low = [o for o in options if o.dp_mode == "diloco" and o.outer_every is not None
-           and o.outer_every >= req.min_outer_every]
+           and req.min_outer_every <= o.outer_every <= req.max_outer_every]
     sync_ok = [o for o in sync if o.efficiency >= target]
     low_ok = [o for o in low if o.efficiency >= target]
     if sync_ok:
@@ -709,8 +719,43 @@ def recommend_network(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup]
     every = (pick.outer_every if pick.dp_mode == "diloco" else
              min((o.outer_every or 0 for o in low_ok),
                  default=max((o.outer_every or 0 for o in low), default=0)) or None)
-    return NetworkChoice(pick, _choice_reason(req, where, pick, best_of(sync)), modes_of(
-        options, setups, outer_every_candidates(req)), bound, every)
+    lines = _choice_reason(req, where, pick, best_of(sync))
+    if pick.efficiency < target and low:
+        lines += _what_would_reach(req, options, target, lambda: search_options(
+            replace(req, outer_dtype="bf16"), info, setups, largest, net, peak, fpt, dtypes,
+            bound))
+    return NetworkChoice(pick, lines, modes_of(options, setups, outer_every_candidates(req)),
+                         bound, every)
+
+
+def _what_would_reach(req: PlanRequest, options: list[Option], target: float,
+                      bf16: Callable[[], list[Option]]) -> tuple[str, ...]:
+    """Where no H within the bounds reaches the target: a line for each way out that does, the
+    bf16 outer exchange (half the bytes; `bf16`: the options with it) within the bounds, and
+    the smallest H above --max-outer-every."""
+    out = []
+
+    def first_reaching(opts: list[Option], lo: int, hi: float) -> Option | None:
+        ok = [o for o in opts if o.dp_mode == "diloco" and lo <= (o.outer_every or 0) <= hi
+              and o.efficiency >= target]
+        if not ok:
+            return None
+        h = min(o.outer_every or 0 for o in ok)
+        return smallest_batch([o for o in ok if o.outer_every == h])
+
+    half = (first_reaching(bf16(), req.min_outer_every, req.max_outer_every)
+            if req.outer_dtype == "fp32" else None)
+    if half is not None:
+        out.append(f"With --outer-dtype bf16 (half the outer sync's bytes; the global weights and "
+                   f"the outer step stay fp32) diloco at H={half.outer_every} would reach "
+                   f"{half.efficiency:.2f}.")
+    above = first_reaching(options, req.max_outer_every + 1, float("inf"))
+    if above is not None:
+        out.append(f"Diloco at H={above.outer_every} would reach {above.efficiency:.2f}: above "
+                   f"--max-outer-every {req.max_outer_every}, the largest H measured to hold "
+                   f"quality (docs/benchmarks.md); raise it once a quality run of your own holds "
+                   f"there.")
+    return tuple(out)
 
 
 NEAR = 0.01
@@ -764,7 +809,8 @@ def _choice_reason(req: PlanRequest, where: str, pick: Option,
     return first, (f"Synchronous at best: {sync.efficiency:.2f} ({sync.setup.label} at micro "
                    f"batch {sync.micro_batch} x grad accum {sync.grad_accum}, "
                    f"{sync.node_bytes / MiB:,.1f} MB per node per step). Quality depends on H "
-                   f"(at least {req.min_outer_every} here): docs/benchmarks.md. Start "
+                   f"({req.min_outer_every} to {req.max_outer_every} here): docs/benchmarks.md. "
+                   f"Start "
                    f"synchronously: train the first steps with --dp-mode sync, then resume with "
                    f"--dp-mode diloco (outer lr {outer_lr:g}, Nesterov momentum "
                    f"{outer_momentum:g}; docs/recipes.md).")
@@ -958,6 +1004,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
                     "dp_mode": req.dp_mode, "outer_every": _table_every(plan),
                     "island_ranks": req.island, "outer_dtype": req.outer_dtype,
                     "min_outer_every": req.min_outer_every,
+                    "max_outer_every": req.max_outer_every,
                     "max_global_batch_tokens": choice.bound if choice else None,
                     "target_efficiency": network.TARGET_EFFICIENCY,
                     "recommendation": plan.net_reason,
@@ -1061,7 +1108,8 @@ def render_modes(plan: Plan) -> list[str]:
     head = ("mode", "ZeRO", "micro x accum", "step (ms)", "efficiency", "MB/node/step")
     rows = [head] + [(
         "sync" if o.dp_mode == "sync" else f"diloco H={o.outer_every}"
-        + (" (below min)" if (o.outer_every or 0) < req.min_outer_every else ""),
+        + (" (below min)" if (o.outer_every or 0) < req.min_outer_every else
+           " (above max)" if (o.outer_every or 0) > req.max_outer_every else ""),
         o.setup.label, f"{o.micro_batch} x {o.grad_accum}", f"{o.t.step_ms:,.1f}",
         f"{o.efficiency:.2f}", f"{o.node_bytes / MiB:,.1f}") for o in choice.modes]
     return ["", f"modes at {plan.net.nodes} node(s), each at its fastest batch within "
@@ -1223,6 +1271,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     a("--min-outer-every", type=int, default=network.MIN_OUTER_EVERY, metavar="H",
       help=f"the smallest H the plan recommends (default {network.MIN_OUTER_EVERY}: quality "
       "depends on H; docs/plan.md)")
+    a("--max-outer-every", type=int, default=network.MAX_OUTER_EVERY, metavar="H",
+      help=f"the largest H the plan recommends (default {network.MAX_OUTER_EVERY}: the largest "
+      "measured to hold quality within 2 %% of synchronous; docs/benchmarks.md)")
     a("--max-global-batch-tokens", type=float, metavar="T", help="tokens per optimizer step "
       "no recommendation exceeds (default: " + ", ".join(
           f"{k} {v:,}" for k, v in MAX_GLOBAL_BATCH_TOKENS.items()) + ")")

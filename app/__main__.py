@@ -14,7 +14,7 @@ COMMANDS = {
                "print a run's summary and plot its curves (RUN_DIR/curves.png)"),
     "demo": ("app.demo",
              "the whole pipeline on Python's standard-library sources (the quickstart)"),
-    "plan": ("app.plan.planner", "memory, batch and throughput per ZeRO stage before a run"),
+    "plan": ("app.plan.command", "memory, batch and throughput per ZeRO stage before a run"),
     "tune": ("app.plan.tune",
              "measure the largest micro batch and the loader workers on this machine"),
     "convert": ("app.checkpoint.convert",

@@ -24,6 +24,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
 
 from app.__main__ import main
 from app.model import PRESETS, build_config, build_model
+from app.plan.inputs import describe_model, dropout_flags, zero_setups
 from app.plan.memory import (
     CPU,
     GiB,
@@ -37,7 +38,8 @@ from app.plan.memory import (
     plan_memory,
     zero3_working_set,
 )
-from app.plan.planner import PlanRequest, describe_model, dropout_flags, make_plan, zero_setups
+from app.plan.planner import make_plan
+from app.plan.request import PlanRequest
 from data_tools.manifest import load_manifest
 from tests.helpers import REPO, check, clean_env, launch, metrics
 

@@ -14,7 +14,7 @@ from app.__main__ import main
 from app.config import TrainConfig
 from app.plan import network
 from app.plan.network import Job, Link, LowComm, island_shape, outer_sync
-from app.plan.planner import MAX_GLOBAL_BATCH_TOKENS
+from app.plan.recommend import MAX_GLOBAL_BATCH_TOKENS
 
 # 8 Gb/s between nodes (1e9 bytes/s), 80 Gb/s a device inside one (1e10 bytes/s)
 LINK = Link(inter_gbps=8, inter_latency_us=10, intra_gbps=80, intra_latency_us=2)

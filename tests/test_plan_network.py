@@ -290,7 +290,7 @@ def test_the_overlap_table_matches_the_ds_configs():
     from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    from app.plan.planner import zero_setups
+    from app.plan.inputs import zero_setups
 
     for setup in zero_setups(768)[:4]:
         if setup.stage >= 2:  # DeepSpeed's reduction: overlapped where overlap_comm is on
@@ -378,7 +378,8 @@ def test_the_step_and_forward_parts_of_a_measured_step(capsys):
     assert parts["stages"][1]["network"]["exposed_comm_ms"] > \
         whole[1]["network"]["exposed_comm_ms"] + 10
     # the step does not grow with the batch: twice the micro batch doubles only the rest
-    from app.plan.planner import PlanRequest, compute_ms
+    from app.plan.jobs import compute_ms
+    from app.plan.request import PlanRequest
     req = PlanRequest(model="bert-tiny", micro_batch=8, compute_ms=200.0, step_ms=60.0)
     assert compute_ms(req, 16, 1, None, 1.0) == pytest.approx(60 + 2 * 140)
 

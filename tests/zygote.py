@@ -55,7 +55,7 @@ def preload() -> None:
     import app.build  # noqa: F401
     import app.checkpoint.convert  # noqa: F401
     import app.export  # noqa: F401
-    import app.plan.planner  # noqa: F401
+    import app.plan.command  # noqa: F401
     import app.telemetry.report  # noqa: F401
     import app.train  # noqa: F401  (installs the stop handlers: undone below)
     import data_tools.__main__  # noqa: F401

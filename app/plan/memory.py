@@ -46,6 +46,7 @@ from app.telemetry.flops import ModelShape
 from data_tools.errors import UserError
 
 GiB = 2 ** 30
+MiB = 2 ** 20
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # fp32 state bytes per parameter: Adam/AdamW/LAMB keep two moments, the others one
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "lamb": 8, "lion": 4, "adagrad": 4, "sgd": 4}

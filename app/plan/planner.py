@@ -510,7 +510,7 @@ def backward_layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ..
 def _layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ...]:
     import torch
 
-    from app.model import build_model
+    from app.models.build import build_model
 
     with torch.device("meta"):
         model = build_model(info.config)
@@ -878,7 +878,7 @@ def workload_for(req: PlanRequest, info: ModelInfo, seq_len: int | None = None,
 def make_plan(req: PlanRequest, info: ModelInfo | None = None,
               setups: list[ZeroSetup] | None = None) -> Plan:
     """The whole plan; UserError when no stage fits even one sample (saying what would)."""
-    from app.model import parse_overrides
+    from app.models.presets import parse_overrides
 
     info = info or describe_model(req.model, vocab_size=req.vocab_size,
                                   overrides=parse_overrides(list(req.model_args)))

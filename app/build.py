@@ -30,13 +30,7 @@ from app.faults.preemption import StopRequests
 from app.faults.recovery import Recovery
 from app.faults.watchdog import Watchdog
 from app.init_from import load_init_weights
-from app.model import (
-    build_model,
-    count_parameters,
-    group_names,
-    optimizer_groups,
-    skeleton_group_names,
-)
+from app.models.build import build_model, count_parameters, skeleton_group_names
 from app.runtime import islands, registry
 from app.runtime.device import (
     ComputeClock,
@@ -57,6 +51,7 @@ from app.runtime.engine import (
     versions,
 )
 from app.runtime.outer import OuterSync
+from app.runtime.param_groups import group_names, optimizer_groups
 from app.settle import Plan, plan_run
 from app.telemetry import figures as telemetry
 from app.telemetry.flops import ModelShape, flops_per_token, head_fraction

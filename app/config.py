@@ -40,7 +40,7 @@ class TrainConfig:
     out: Path
     """Run directory: config.json, metrics.jsonl, summary.json, checkpoints/, wandb/."""
     model: str | None = None
-    """Preset name (app.model.PRESETS); default bert-tiny for mlm, gpt-tiny for clm."""
+    """Preset name (app.models.presets.PRESETS); default bert-tiny for mlm, gpt-tiny for clm."""
     objective: str | None = None
     """"mlm" or "clm"; default: the preset's (BERT presets mlm, GPT/Llama presets clm)."""
     model_arg: list[str] = field(default_factory=list)
@@ -77,7 +77,7 @@ class TrainConfig:
     """cosine|linear|constant decay after warmup, or wsd (warmup-stable-decay)."""
     weight_decay: float = 0.01
     """AdamW's decoupled weight decay, on the linear layers' matrices only (biases, norms and
-    embeddings are exempt: app/model.py optimizer_groups)."""
+    embeddings are exempt: app/runtime/param_groups.py optimizer_groups)."""
     beta1: float = 0.9
     """AdamW's decay rate of the running mean of gradients."""
     beta2: float = 0.98

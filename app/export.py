@@ -19,7 +19,7 @@ import torch
 from app import reference, rundir
 from app.checkpoint import manifest, tags
 from app.checkpoint.weights import config_from_run, run_weights
-from app.model import build_model
+from app.models.build import build_model
 from data_tools import output
 from data_tools.errors import UserError
 

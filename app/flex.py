@@ -17,9 +17,10 @@ transformers' `AttentionInterface` (what `config._attn_implementation` names), a
 function of its `AttentionMaskInterface`, so its mask helpers (`create_bidirectional_mask`,
 `create_causal_mask`, the sliding-window ones) hand every family a BlockMask of their own mask
 functions, padding included, with no host read. The app's own masks (packed documents,
-app.model.document_attention; GPT-2's causal mask, app.model.causal_attention) are BlockMasks
-built here. transformers' own "flex_attention" is not used: it compiles flex_attention on every
-device, refuses attention dropout, and reads the padding mask on the host (`fast_all`).
+app.models.attention.document_attention; GPT-2's causal mask,
+app.models.attention.causal_attention) are BlockMasks built here. transformers' own
+"flex_attention" is not used: it compiles flex_attention on every device, refuses attention
+dropout, and reads the padding mask on the host (`fast_all`).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ warnings.filterwarnings("ignore", message="flex_attention called without torch.c
 FLEX = "flex"
 """The --attn name and `config._attn_implementation` of FlexAttention (this module)."""
 FLEX_CAUSAL = "flex_causal"
-"""The attention a training GPT-2 runs where the config says "flex" (app.model
+"""The attention a training GPT-2 runs where the config says "flex" (app.models.heads
 CausalLossGPT2LMHeadModel): the same function under a name transformers' mask helpers do not
 know, so they build nothing and read nothing (its `create_causal_mask` would look for packed
 sequences on the host); the model hands its causal BlockMask over as `block_mask`."""
@@ -77,7 +78,7 @@ def block_mask(mask_mod: MaskMod, batch: int | None, q_len: int, kv_len: int,
 def document_block_mask(document_ids: torch.Tensor, window: int | None = None) -> BlockMask:
     """--packing doc-packed: token i attends to token j of its own window when both belong to the
     same document (`document_ids` [batch, seq], documents from 1, padding 0, which attends only
-    to padding), and with `window` when |i - j| <= window; app.model.document_attention's
+    to padding), and with `window` when |i - j| <= window; app.models.attention.document_attention's
     mask as a BlockMask."""
     def same_document(b, h, q, kv):
         return document_ids[b, q] == document_ids[b, kv]
@@ -94,8 +95,8 @@ def document_block_mask(document_ids: torch.Tensor, window: int | None = None) -
 def causal_block_mask(padding: torch.Tensor | None, seq: int,
                       device: torch.device | str) -> BlockMask:
     """A causal LM's mask: key <= query and, given the loader's [batch, seq] `padding` (1 = token,
-    0 = padding), not onto padding (app.model.causal_attention's mask as a BlockMask). Without
-    padding one mask for any batch, built once per length and device."""
+    0 = padding), not onto padding (app.models.attention.causal_attention's mask as a
+    BlockMask). Without padding one mask for any batch, built once per length and device."""
     if padding is None:
         return _causal(seq, str(device))
     keep = padding.to(dtype=torch.bool)

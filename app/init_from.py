@@ -22,7 +22,7 @@ from app.checkpoint.weights import (
     latest_of,
     run_weights,
 )
-from app.model import objective_of
+from app.models.presets import objective_of
 from app.rundir import is_run_dir
 from data_tools.errors import UserError
 

@@ -26,10 +26,10 @@ from app.checkpoint.universal import (
 from app.config import TrainConfig
 from app.data.sources import Source, Sources, read_sources
 from app.init_from import check_init_config, check_source, read_init_config
-from app.model import (
+from app.models.attention import check_packed_attention
+from app.models.presets import (
     attention_dropout,
     build_config,
-    check_packed_attention,
     max_positions,
     parse_overrides,
     preset,
@@ -249,7 +249,8 @@ def settle_model(cfg: TrainConfig, manifest: dict[str, Any], device: Device,
                         f"{'an encoder (mlm)' if p.objective == 'mlm' else 'a decoder (clm)'}")
     eod = manifest["eod_token_id"]
     special = {"pad_token_id": manifest.get("pad_token_id")}
-    if objective == "mlm":  # the encoder families' [CLS]/[SEP] fields (app.model.Preset.ids)
+    # the encoder families' [CLS]/[SEP] fields (app.models.presets.Preset.ids)
+    if objective == "mlm":
         special.update(cls_token_id=manifest.get("cls_token_id"), sep_token_id=eod)
     if objective == "clm":
         special.update(bos_token_id=manifest.get("bos_token_id", eod), eos_token_id=eod)

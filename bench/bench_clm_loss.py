@@ -6,8 +6,8 @@ vocabulary given: 50,257 as GPT-2's), same seed and batches, fp32 on CPU:
 - stock: transformers' GPT2LMHeadModel as built for export (`build_model(config)`): the full
   [batch, seq, vocab] logits, `ForCausalLMLoss` on them, its inference cache on;
 - chunked: the model the app trains (`build_model(config, for_training=True)`,
-  app.model.CausalLossGPT2LMHeadModel): the head and cross-entropy in chunks of rows
-  (app.losses), no cache.
+  app.models.heads.CausalLossGPT2LMHeadModel): the head and cross-entropy in chunks of rows
+  (app.models.losses), no cache.
 Each side runs in a fresh process (`--side`), alternating, `--repeats` times. Peak memory is
 the process's resident high-water mark over the steps (the kernel's VmHWM, reset after the
 model is built where /proc/self/clear_refs allows, else the process's whole life) and the step's
@@ -35,8 +35,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from app import losses  # noqa: E402
-from app.model import build_config, build_model, parse_overrides  # noqa: E402
+from app.models import losses  # noqa: E402
+from app.models.build import build_model  # noqa: E402
+from app.models.presets import build_config, parse_overrides  # noqa: E402
 
 SIDES = ("stock", "chunked")
 
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="processes per side, alternating")
     p.add_argument("--chunk-mib", type=int, default=None,
                    help="the chunked side's fp32 logits per chunk in MiB (default: "
-                        "app.losses.CHUNK_BYTES)")
+                        "app.models.losses.CHUNK_BYTES)")
     p.add_argument("--json", type=Path, help="write the figures here as JSON too")
     p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, in this process
     return p.parse_args(argv)

@@ -93,7 +93,8 @@ def batch(micro: int, seq: int, mask: str, device: str) -> dict[str, torch.Tenso
 def run(model_name: str, dropout: float, mask: str, compiled: bool, args) -> dict[str, Any]:
     """ms per forward + backward (median of `--repeats` timings of `--steps`), peak memory, and
     the compiled graph's attention."""
-    from app.model import build_config, build_model
+    from app.models.build import build_model
+    from app.models.presets import build_config
 
     gpu = not args.cpu
     device = "cuda" if gpu else "cpu"

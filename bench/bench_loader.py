@@ -74,7 +74,7 @@ def make_dataset(root: Path, tokens: int, shards: int = 4, vocab: int = VOCAB) -
 def small_bert(vocab_size: int, seq_len: int) -> torch.nn.Module:
     from transformers import BertConfig
 
-    from app.model import SparseHeadBertForMaskedLM  # takes the loader's masked positions
+    from app.models.heads import SparseHeadBertForMaskedLM  # takes the loader's masked positions
 
     config = BertConfig(vocab_size=vocab_size, hidden_size=128, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=512,

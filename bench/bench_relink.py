@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from app.model import build_config, build_model
+    from app.models.build import build_model
+    from app.models.presets import build_config
     from app.runtime.dist import free_port
     from app.runtime.engine import initialize
 

@@ -35,7 +35,8 @@ def one(args: argparse.Namespace) -> float:
                 a @ b
     else:
         sys.path.insert(0, str(REPO))
-        from app.model import build_config, build_model, parse_overrides
+        from app.models.build import build_model
+        from app.models.presets import build_config, parse_overrides
 
         cfg = build_config(args.model, vocab_size=args.vocab, special_ids={"pad_token_id": 0},
                            overrides=parse_overrides(args.model_arg))

@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 
 from app import child_pythonpath  # noqa: E402
 from app.data.loader import DataSpec, build_train_loader, default_num_workers  # noqa: E402
-from app.model import build_config, build_model, parse_overrides  # noqa: E402
+from app.models.build import build_model  # noqa: E402
+from app.models.presets import build_config, parse_overrides  # noqa: E402
 from app.schedule import schedule_fn  # noqa: E402
 from data_tools.manifest import load_manifest  # noqa: E402
 

@@ -48,7 +48,8 @@ def _measure(build) -> dict[str, float]:
 def rank_main(model_name: str, build: str) -> None:
     import torch
 
-    from app.model import build_config, build_model, count_parameters
+    from app.models.build import build_model, count_parameters
+    from app.models.presets import build_config
     from app.runtime.device import detect
     from app.runtime.dist import barrier, init_distributed, shutdown
 

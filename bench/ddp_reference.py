@@ -1,7 +1,8 @@
 """Plain PyTorch DDP over gloo, the reference the app's data parallelism is measured against: the
-app's model (app.model, the same preset and --model-arg overrides), its batches (app.data.loader,
-the same samples per rank and step), its optimizer (AdamW on app.model.optimizer_groups, the same
-betas, eps and weight decay) and clipping (1.0), without DeepSpeed. DDP reduces the gradients in
+app's model (app.models, the same preset and --model-arg overrides), its batches (app.data.loader,
+the same samples per rank and step), its optimizer (AdamW on
+app.runtime.param_groups.optimizer_groups, the same betas, eps and weight decay) and clipping
+(1.0), without DeepSpeed. DDP reduces the gradients in
 buckets during backward (bucket_cap_mb scaled to the model: its fp32 gradients over `--buckets`,
 so a small model still gets several buckets to overlap, where DDP's default of 25 MB would make
 one). Start it with torch.distributed.run (env://), one process a rank:
@@ -36,7 +37,8 @@ from app.config import TrainConfig  # noqa: E402
 def build(args: argparse.Namespace):
     """(model, its parameter count) as app train builds it: same preset, overrides, padding,
     seed and dropout."""
-    from app.model import build_config, build_model, parse_overrides
+    from app.models.build import build_model
+    from app.models.presets import build_config, parse_overrides
     from data_tools.manifest import load_manifest
 
     manifest = load_manifest(args.data)
@@ -62,7 +64,7 @@ def batches(args: argparse.Namespace, rank: int, world: int):
 def train(args: argparse.Namespace, rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from app.model import optimizer_groups
+    from app.runtime.param_groups import optimizer_groups
 
     model, n_params = build(args)
     bucket_mb = max(0.01, n_params * 4 / 2**20 / args.buckets)

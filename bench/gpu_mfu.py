@@ -9,9 +9,9 @@ bert-tiny and gpt-tiny at seq 128), in one process so outside load hits both sid
   and its log step every --block steps as `fit` runs it);
 - the plain side is the same model (the app's settled config, same seed) on the same loader's
   batches: on a GPU bf16 autocast over fp32 weights (GPT's chunked loss too: its weight
-  gradient's in-place product follows autocast, app/losses.py `autocast_dtype`), torch's fused
-  AdamW, a foreach clip, the loss kept on the device and read at the log step only; on CPU fp32
-  and torch's AdamW;
+  gradient's in-place product follows autocast, app/models/losses.py `autocast_dtype`), torch's
+  fused AdamW, a foreach clip, the loss kept on the device and read at the log step only; on CPU
+  fp32 and torch's AdamW;
 - they take turns in blocks (bench/bench_step.py's `alternate`), each block between two device
   syncs; the medians of the blocks' ms/step are compared.
 
@@ -505,7 +505,8 @@ def app_side(trainer, log_every: int, wait: dict[str, float]) -> Callable[[], No
 def plain_side(built, device: torch.device, log_every: int) -> Callable[[], None]:
     """The plain loop on the app's model config and seed and on its loader's batches: on a GPU
     in bf16 autocast over fp32 weights with torch's fused AdamW, the loss kept on the device."""
-    from app.model import build_model, optimizer_groups
+    from app.models.build import build_model
+    from app.runtime.param_groups import optimizer_groups
 
     plan, gpu = built.plan, device.type == "cuda"
     model = build_model(plan.model_config, seed=plan.cfg.seed, for_training=True).to(device)

@@ -21,7 +21,9 @@ from transformers.masking_utils import (
 
 from app import flex
 from app.config import TrainConfig
-from app.model import attention_dropout, build_config, build_model, document_attention
+from app.models.attention import document_attention
+from app.models.build import build_model
+from app.models.presets import attention_dropout, build_config
 from app.plan.command import add_arguments as plan_arguments
 from app.runtime.device import Device, choose_attention, flex_backward, flex_compiled, flex_why
 from data_tools.errors import UserError

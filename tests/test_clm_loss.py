@@ -1,5 +1,5 @@
-"""The training GPT-2 (app.model.CausalLossGPT2LMHeadModel): the chunked causal-LM loss of
-app.losses against transformers' own, no inference cache and no host read in its forward, and
+"""The training GPT-2 (app.models.heads.CausalLossGPT2LMHeadModel): the chunked causal-LM loss of
+app.models.losses against transformers' own, no inference cache and no host read in its forward, and
 real CLM runs at ZeRO-0 and ZeRO-3 through it."""
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from app.losses import causal_lm_loss, chunk_rows
-from app.model import CAUSAL_SDPA, CausalLossGPT2LMHeadModel, LossHead, build_config, build_model
+from app.models.attention import CAUSAL_SDPA
+from app.models.build import build_model
+from app.models.heads import CausalLossGPT2LMHeadModel, LossHead
+from app.models.losses import causal_lm_loss, chunk_rows
+from app.models.presets import build_config
 from tests.helpers import REPO, TINY, check, launch, python, run_app, train_losses
 
 

@@ -269,7 +269,8 @@ def test_flags_override_the_file_wherever_they_stand(tmp_path):
     add_arguments(parser)
     before = parser.parse_args(["--max-steps", "4", "--config", str(path)])
     assert before.max_steps == 4 and before.out == Path("runs/a")
-    # --model-arg adds to the file's KEY=VALUE list: a later KEY wins (app.model.parse_overrides)
+    # --model-arg adds to the file's KEY=VALUE list: a later KEY wins
+    # (app.models.presets.parse_overrides)
     assert from_file(tmp_path, text, "--model-arg", "a=2").model_arg == ["a=1", "a=2"]
     with pytest.raises(SystemExit):  # the parser is as before: --data is required again
         parser.parse_args(["--out", "o"])

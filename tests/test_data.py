@@ -388,7 +388,7 @@ def real_specials(dataset_dir: Path) -> set[int]:
 def test_mlm_loader_over_a_prepared_dataset_trains_a_real_bert(mlm_dataset):
     from transformers import BertConfig
 
-    from app.model import SparseHeadBertForMaskedLM
+    from app.models.heads import SparseHeadBertForMaskedLM
 
     manifest = load_manifest(mlm_dataset)
     s = DataSpec(mlm_dataset, "train", 64, "mlm", seed=1)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import BertConfig
 
-from app.model import PRESETS, build_config, build_model
+from app.models.build import build_model
+from app.models.presets import PRESETS, build_config
 from app.telemetry import hardware
 from app.telemetry.flops import ModelShape, flops_breakdown, flops_per_token, head_fraction, mfu
 from data_tools.errors import UserError

@@ -14,9 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.model import build_config, build_model, layer_blocks, optimizer_groups
+from app.models.build import build_model
+from app.models.presets import build_config
 from app.runtime.device import Device, attention_implementation, set_cpu_threads
 from app.runtime.overlap import block_starts
+from app.runtime.param_groups import layer_blocks, optimizer_groups
 from app.trainer import token_sums
 from tests.helpers import REPO, TINY, check, clean_env, remanifest, run_app
 
@@ -244,9 +246,10 @@ def test_no_weight_decay_on_biases_norms_and_embeddings():
 
 
 def test_layer_blocks_keep_order_decay_and_every_parameter_once():
-    """ZeRO-1/2's groups (app.model.optimizer_groups with blocks): runs of consecutive
-    parameters in registration order, each split by weight decay as the two groups are; the
-    embedding, about a quarter of the model, a block of its own; the rest in about equal runs."""
+    """ZeRO-1/2's groups (app.runtime.param_groups.optimizer_groups with blocks): runs of
+    consecutive parameters in registration order, each split by weight decay as the two groups
+    are; the embedding, about a quarter of the model, a block of its own; the rest in about equal
+    runs."""
     model = build_model(build_config("bert-tiny", vocab_size=8000, special_ids={},
                                      overrides={"hidden_size": 256, "num_attention_heads": 4}))
     two = optimizer_groups(model, 0.1)

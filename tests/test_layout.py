@@ -96,8 +96,8 @@ def module_name(path: Path) -> str:
 
 def import_graph(paths: list[Path]) -> dict[str, dict[str, str]]:
     """module -> {module it imports: 'file:line' of the first such import}, among `paths`' own
-    modules (a name resolves to the longest module it starts with: `app.model.build_model` ->
-    app.model). A module's own packages are no edge: Python imports them before it anyway."""
+    modules (a name resolves to the longest module it starts with: `app.models.build.build_model` ->
+    app.models.build). A module's own packages are no edge: Python imports them before it anyway."""
     names = {module_name(p): p for p in paths}
     graph: dict[str, dict[str, str]] = {m: {} for m in names}
     for module, path in names.items():

@@ -2,12 +2,11 @@
 import pytest
 import torch
 
-from app.model import (
+from app.models.build import build_model, count_parameters
+from app.models.presets import (
     PRESETS,
     build_config,
-    build_model,
     config_from_dict,
-    count_parameters,
     max_positions,
     objective_of,
     parse_overrides,

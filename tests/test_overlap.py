@@ -58,8 +58,9 @@ def test_partition_buckets_cut_every_partition_into_the_same_pieces():
 
 
 # The app's 15 ZeRO-1/2 groups (8 layer blocks, each with and without weight decay:
-# app.model.optimizer_groups) of bert-120m (vocab 30,522) and of the netsim benchmark's model
-# (bert-tiny, hidden 256, 4 heads, intermediate 1,024, vocab 2,000: docs/benchmarks.md)
+# app.runtime.param_groups.optimizer_groups) of bert-120m (vocab 30,522) and of the netsim
+# benchmark's model (bert-tiny, hidden 256, 4 heads, intermediate 1,024, vocab 2,000:
+# docs/benchmarks.md)
 BERT_120M = [23440896, 14155776, 413952, 14155776, 19968, 11796480, 16896, 11796480, 17664,
              11796480, 15360, 11796480, 16896, 10027008, 48186]
 NETSIM = [512000, 131072, 132352, 393216, 1280, 262144, 1024, 262144, 1536, 262144, 768, 262144,

@@ -1,5 +1,6 @@
 """--packing doc-packed: whole documents side by side in a window, each attending only to itself
-(app/data/packing.py, app.model.document_attention), and real-token accounting in every packing."""
+(app/data/packing.py, app.models.attention.document_attention), and real-token accounting in every
+packing."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,13 +28,9 @@ from app.data.loader import (
     dataset_stats,
 )
 from app.data.masking import IGNORE_INDEX
-from app.model import (
-    build_config,
-    build_model,
-    check_packed_attention,
-    document_attention,
-    varlen_kwargs,
-)
+from app.models.attention import check_packed_attention, document_attention, varlen_kwargs
+from app.models.build import build_model
+from app.models.presets import build_config
 from app.settle import Phase, settle_schedule
 from app.telemetry import figures as telemetry
 from app.telemetry import flops

@@ -23,7 +23,8 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
 )
 
 from app.__main__ import main
-from app.model import PRESETS, build_config, build_model
+from app.models.build import build_model
+from app.models.presets import PRESETS, build_config
 from app.plan.inputs import describe_model, dropout_flags, zero_setups
 from app.plan.memory import (
     CPU,

@@ -189,7 +189,7 @@ def test_a_zero0_checkpoint_without_its_parameters_names_converts_by_the_model(r
     written before that (and before manifests) still converts: `app convert` names them from a
     skeleton of the model, to the same tensors; without such a caller the read says so."""
     from app.checkpoint import universal
-    from app.model import skeleton_group_names
+    from app.models.build import skeleton_group_names
     from data_tools.errors import UserError
 
     src = tag_dir(refs(0, 2))
@@ -250,7 +250,8 @@ import sys, torch, deepspeed
 sys.path.insert(0, {str(REPO)!r})
 from app.runtime.device import detect
 from app.runtime.dist import barrier, init_distributed, shutdown
-from app.model import build_config, build_model
+from app.models.build import build_model
+from app.models.presets import build_config
 init_distributed(detect())  # as app train joins (the shm buffer's name removed, ...)
 for name in ("bert-tiny", "gpt-tiny"):
     cfg = build_config(name, vocab_size=1000, special_ids={{"pad_token_id": 0}}, overrides={{}},

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{out}: already converted (--overwrite converts again)", file=sys.stderr)
         return 0
     print(f"converting {source} ({saved}) for {target}", file=sys.stderr, flush=True)
-    from app.model import skeleton_group_names  # transformers: only once there is work to do
+    from app.models.build import skeleton_group_names  # transformers: only once there is work to do
 
     # the names of a ZeRO-0 checkpoint's parameters where its train state predates them
     universal.write(source, state, out, command=COMMAND, target=target,

@@ -63,8 +63,9 @@ class Layout:
     precision: str
     offload: bool
     optimizer_blocks: int = 1
-    """The optimizer's groups: this many layer blocks of two (app.model.optimizer_groups);
-    1 is the two groups of every checkpoint written before the blocks."""
+    """The optimizer's groups: this many layer blocks of two
+    (app.runtime.param_groups.optimizer_groups); 1 is the two groups of every checkpoint written
+    before the blocks."""
 
     def __str__(self) -> str:
         blocks = f", {self.optimizer_blocks} layer blocks" if self.optimizer_blocks > 1 else ""
@@ -298,7 +299,7 @@ def param_names(tag_dir: Path, state: dict[str, Any], names_for: NamesFor | None
                 ) -> list[list[str]]:
     """The trained parameters' names in the optimizer's groups, in order: recorded in the train
     state at save time (app.build), else, for a checkpoint written before that, from the
-    caller's `names_for` (a skeleton of the model: app.model.skeleton_group_names)."""
+    caller's `names_for` (a skeleton of the model: app.models.build.skeleton_group_names)."""
     groups = state.get("param_group_names")
     if groups:
         return groups

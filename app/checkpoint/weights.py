@@ -22,7 +22,7 @@ from transformers import PretrainedConfig
 from app import rundir
 from app.checkpoint import manifest, tags, universal
 from app.checkpoint import store as checkpoint
-from app.model import config_from_dict
+from app.models.presets import config_from_dict
 from data_tools.errors import UserError
 
 _noted: set[str] = set()  # tags said to be unverified, once a process

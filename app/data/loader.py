@@ -408,10 +408,10 @@ class BatchLayout:
     step. CLM: `input_ids` and `labels`. `attention_mask` only with "doc" packing: in "concat"
     every token is attended to, and an all-ones mask costs the model a host sync to find out.
     "doc-packed": `position_ids`, `document_ids` and `doc_lengths` instead (the model makes its
-    block-diagonal mask from the ids on the device, app.model.document_attention, or with
-    flash-attention its variable-length call from the lengths, app.model.varlen_kwargs). "doc"
-    and "doc-packed" add `tokens`, each sample's real tokens, which the trainer takes out for the
-    telemetry.
+    block-diagonal mask from the ids on the device, app.models.attention.document_attention, or
+    with flash-attention its variable-length call from the lengths,
+    app.models.attention.varlen_kwargs). "doc" and "doc-packed" add `tokens`, each sample's real
+    tokens, which the trainer takes out for the telemetry.
     """
 
     keys: tuple[str, ...]

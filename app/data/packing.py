@@ -13,10 +13,10 @@
   it out, placed side by side in windows of seq_len tokens without being cut (ModernBERT's and
   Krell et al.'s packing). A window is a sample: the order, mixtures, ranks and resume treat it
   like any other. Attention stays inside each document (the loader hands over per-token document
-  ids, which the model turns into a block-diagonal mask, app.model.document_attention, and each
-  window's document lengths, from which flash-attention's variable-length call is summed,
-  app.model.varlen_kwargs) and position ids restart at each document, so each document's math
-  is that of "doc". Which
+  ids, which the model turns into a block-diagonal mask, app.models.attention.document_attention,
+  and each window's document lengths, from which flash-attention's variable-length call is summed,
+  app.models.attention.varlen_kwargs) and position ids restart at each document, so each
+  document's math is that of "doc". Which
   documents share a window is the plan (`PackPlan`): best fit over a keyed shuffle of the
   documents, computed once per split in O(documents), two int arrays.
 
@@ -182,8 +182,8 @@ def place_documents(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, ow
     `input_ids`, `labels`, `position_ids` (restarting at each document), `document_ids` (1, 2,
     ... by place in the window, 0 on padding), `doc_lengths` (each window's documents' lengths in
     order, then its padding's, then zeros: window_docs(seq_len) + 1 wide, what flash-attention's
-    variable-length kernels take: app.model.varlen_kwargs) and `tokens` (each window's real
-    tokens)."""
+    variable-length kernels take: app.models.attention.varlen_kwargs) and `tokens` (each window's
+    real tokens)."""
     real = np.arange(seq_len) < lengths[:, None]
     rows, cols = np.nonzero(real)  # row-major: each window's documents in order
     window = owner[rows]

@@ -34,7 +34,8 @@ def describe_model(name: str, *, vocab_size: int | None = None,
     """Build the preset's config and count its parameters on the meta device (no memory)."""
     import torch
 
-    from app.model import build_config, build_model, objective_of, preset
+    from app.models.build import build_model
+    from app.models.presets import build_config, objective_of, preset
 
     p = preset(name)  # UserError for an unknown preset
     vocab = vocab_size or p.config_class().vocab_size

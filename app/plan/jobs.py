@@ -136,7 +136,7 @@ def backward_layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ..
 def _layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ...]:
     import torch
 
-    from app.model import build_model
+    from app.models.build import build_model
 
     with torch.device("meta"):
         model = build_model(info.config)

@@ -437,9 +437,9 @@ def partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int, blocks: 
     [(share of the tensor, ready: its last gradient's, needed: its first weight's)].
 
     `blocks` > 1: the parameters in that many runs (app.runtime.overlap.block_starts, as
-    app.model.optimizer_groups cuts them), each a flat buffer partitioned on its own; bucket
-    (b, c) = piece c of every partition of block b, `per_block` pieces a block (default: its
-    share of `pieces`, at least one)."""
+    app.runtime.param_groups.optimizer_groups cuts them), each a flat buffer partitioned on its
+    own; bucket (b, c) = piece c of every partition of block b, `per_block` pieces a block
+    (default: its share of `pieces`, at least one)."""
     starts, flat = _spans(layout)
     total, out = starts[-1], []
     runs = block_starts([g.elements for g in flat], max(blocks, 1)) + [len(flat)]

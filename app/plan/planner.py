@@ -201,7 +201,7 @@ def workload_for(req: PlanRequest, info: ModelInfo, seq_len: int | None = None,
 def make_plan(req: PlanRequest, info: ModelInfo | None = None,
               setups: list[ZeroSetup] | None = None) -> Plan:
     """The whole plan; UserError when no stage fits even one sample (saying what would)."""
-    from app.model import parse_overrides
+    from app.models.presets import parse_overrides
 
     info = info or describe_model(req.model, vocab_size=req.vocab_size,
                                   overrides=parse_overrides(list(req.model_args)))

@@ -19,7 +19,7 @@ class PlanRequest:
     """`python -m app plan` settings (the flags, checked)."""
 
     model: str
-    """Preset name (app.model.PRESETS)."""
+    """Preset name (app.models.presets.PRESETS)."""
     model_args: tuple[str, ...] = ()
     """Config overrides KEY=VALUE, as `app train --model-arg`."""
     vocab_size: int | None = None

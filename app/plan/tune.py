@@ -464,7 +464,7 @@ def candidates(args: argparse.Namespace, settings: TuneSettings, hidden: int) ->
 
 def planner_inputs(cfg: TrainConfig, ranks: int, cpu: bool):
     """(the model as the planner sees it, the workload of one rank) for the search's guess."""
-    from app.model import parse_overrides
+    from app.models.presets import parse_overrides
     from app.plan.inputs import describe_model, dropout_flags
     from app.telemetry.flops import head_fraction
     from data_tools.manifest import load_manifest

@@ -16,11 +16,11 @@ in the order it reads them; by the time it reaches partition 1, every chunk was 
 partition 0 already and is in. No order does better: each chunk brings one piece of partition
 0, so forward cannot get past piece c of partition 0 before c + 1 chunks are in.
 
-Layer blocks (`by_group`: ZeRO-1/2 as the app builds them, app.model.optimizer_groups): each
-group holds a run of consecutive layers, partitioned on its own, so chunk g is group g whole,
-launched in group order: forward finds block b's weights in once b's chunks are, whatever the
-number of ranks (with one group for the model, forward's first layers wait for a piece of every
-partition).
+Layer blocks (`by_group`: ZeRO-1/2 as the app builds them,
+app.runtime.param_groups.optimizer_groups): each group holds a run of consecutive layers,
+partitioned on its own, so chunk g is group g whole, launched in group order: forward finds block
+b's weights in once b's chunks are, whatever the number of ranks (with one group for the model,
+forward's first layers wait for a piece of every partition).
 
 At a world where the groups' partitions are latency-bound (app.runtime.overlap.packs: the
 reducer's pieces below MIN_PIECE_BYTES; bert-120m's 15 groups at 1,024 ranks hold 16-22,892

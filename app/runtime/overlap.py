@@ -51,10 +51,11 @@ BLOCKS_ENV = "DSPRETRAIN_TEST_PARTITION_BLOCKS"
 # for the whole model rank 0's partition is the model's first half, whose gradients come last:
 # no reduce-scatter bucket can start before backward's second half (PartitionReducer). The app
 # hands them the parameters in this many blocks of consecutive layers instead, each a group (two:
-# with and without weight decay) partitioned on its own (app.model.optimizer_groups): a block's
-# buckets start once backward has passed it, and the next forward's weight gather arrives block
-# by block (app.runtime.gather). Megatron's distributed optimizer shards per bucket for the same
-# reason. docs/design.md, "ZeRO-1/2 in layer blocks".
+# with and without weight decay) partitioned on its own
+# (app.runtime.param_groups.optimizer_groups): a block's buckets start once backward has passed
+# it, and the next forward's weight gather arrives block by block (app.runtime.gather). Megatron's
+# distributed optimizer shards per bucket for the same reason. docs/design.md, "ZeRO-1/2 in layer
+# blocks".
 PARTITION_BLOCKS = TARGET_BUCKETS
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.config import TrainConfig
-from app.model import PRESETS
+from app.models.presets import PRESETS
 from data_tools.errors import UserError
 from data_tools.schema import read_regular
 

@@ -45,7 +45,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     The weight is an input of the function (not read from a module inside it): autograd hands its
     gradient to the parameter, where ZeRO's hooks take it; under ZeRO-3 the caller runs this
-    inside the head module's forward, whose hooks gather the weight for it (app.model.LossHead).
+    inside the head module's forward, whose hooks gather the weight for it
+    (app.models.heads.LossHead).
     """
 
     @staticmethod

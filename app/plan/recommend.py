@@ -5,6 +5,7 @@ two, with what would reach the target where nothing does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -203,17 +204,15 @@ def recommend_network(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup]
     low = [o for o in options if o.dp_mode == "diloco" and o.outer_every is not None
            and req.min_outer_every <= o.outer_every <= req.max_outer_every]
     sync_ok = [o for o in sync if o.efficiency >= target]
-    low_ok = [o for o in low if o.efficiency >= target]
+    low_ok = smallest_h_reaching(low, req.min_outer_every, req.max_outer_every, target)
     if sync_ok:
         pick = smallest_batch(sync_ok)
     elif low_ok:
-        h = min(o.outer_every or 0 for o in low_ok)
-        pick = smallest_batch([o for o in low_ok if o.outer_every == h])
+        pick = low_ok
     else:
         pick = best_of(sync + low) or options[0]
-    every = (pick.outer_every if pick.dp_mode == "diloco" else
-             min((o.outer_every or 0 for o in low_ok),
-                 default=max((o.outer_every or 0 for o in low), default=0)) or None)
+    every = (pick.outer_every if pick.dp_mode == "diloco" else low_ok.outer_every if low_ok
+             else max((o.outer_every or 0 for o in low), default=0) or None)
     lines = _choice_reason(req, where, pick, best_of(sync))
     if pick.efficiency < target and low:
         lines += _what_would_reach(req, options, target, lambda: search_options(
@@ -223,28 +222,31 @@ def recommend_network(req: PlanRequest, info: ModelInfo, setups: list[ZeroSetup]
                          bound, every)
 
 
+def smallest_h_reaching(options: list[Option], lo: float, hi: float,
+                        target: float) -> Option | None:
+    """The low-communication option at the smallest H in [lo, hi] that reaches `target`, at its
+    smallest batch there (`smallest_batch`); None where none does."""
+    ok = [o for o in options if o.dp_mode == "diloco" and o.outer_every is not None
+          and lo <= o.outer_every <= hi and o.efficiency >= target]
+    if not ok:
+        return None
+    h = min(o.outer_every or 0 for o in ok)
+    return smallest_batch([o for o in ok if o.outer_every == h])
+
+
 def _what_would_reach(req: PlanRequest, options: list[Option], target: float,
                       bf16: Callable[[], list[Option]]) -> tuple[str, ...]:
     """Where no H within the bounds reaches the target: a line for each way out that does, the
     bf16 outer exchange (half the bytes; `bf16`: the options with it) within the bounds, and
     the smallest H above --max-outer-every."""
     out = []
-
-    def first_reaching(opts: list[Option], lo: int, hi: float) -> Option | None:
-        ok = [o for o in opts if o.dp_mode == "diloco" and lo <= (o.outer_every or 0) <= hi
-              and o.efficiency >= target]
-        if not ok:
-            return None
-        h = min(o.outer_every or 0 for o in ok)
-        return smallest_batch([o for o in ok if o.outer_every == h])
-
-    half = (first_reaching(bf16(), req.min_outer_every, req.max_outer_every)
+    half = (smallest_h_reaching(bf16(), req.min_outer_every, req.max_outer_every, target)
             if req.outer_dtype == "fp32" else None)
     if half is not None:
         out.append(f"With --outer-dtype bf16 (half the outer sync's bytes; the global weights and "
                    f"the outer step stay fp32) diloco at H={half.outer_every} would reach "
                    f"{half.efficiency:.2f}.")
-    above = first_reaching(options, req.max_outer_every + 1, float("inf"))
+    above = smallest_h_reaching(options, req.max_outer_every + 1, math.inf, target)
     if above is not None:
         out.append(f"Diloco at H={above.outer_every} would reach {above.efficiency:.2f}: above "
                    f"--max-outer-every {req.max_outer_every}, the largest H measured to hold "

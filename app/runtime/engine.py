@@ -8,6 +8,7 @@ backward/step and never imports DeepSpeed.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import types
@@ -58,6 +59,13 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     # DeepSpeed takes LOCAL_RANK as the device ordinal unless told: with one visible device per
     # task (Slurm --gpus-per-task=1) that ordinal names no device (app.runtime.device)
     args = types.SimpleNamespace(device_rank=device_ordinal(int(os.environ.get("LOCAL_RANK", 0))))
+    # DeepSpeed's BF16_Optimizer (bf16 at ZeRO 0-1) runs gc.collect() twice per parameter group
+    # as it builds (a forced see_memory_usage, DeepSpeed 0.19), each a walk over every object the
+    # imports made (~400k: torch, transformers, DeepSpeed): ~0.2 s apiece, 6 s of bert-tiny's start
+    # on a CPU core (docs/design.md, "Start-up"). Frozen, those objects are out of the collector's
+    # way; they live as long as the process does. What is garbage now is collected first.
+    gc.collect()
+    gc.freeze()
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=param_groups,
                                            config=ds_config, lr_scheduler=scheduler, mpu=mpu)
     registry.adopt_deepspeed_swaps(engine)  # ZeRO-3's F.linear: undone with the engine

@@ -87,11 +87,14 @@ def python(*argv, env: dict[str, str] | None = None, timeout: float = 600,
 
 
 def _completed(cmd: list[str], reply: dict, timeout: float) -> subprocess.CompletedProcess:
-    """The zygote's reply as subprocess.run's (the processes' outputs one after the other)."""
+    """The zygote's reply as subprocess.run's (the processes' outputs one after the other);
+    `master_port`: the job's rendezvous port (0: not a launcher job)."""
     out, err = "".join(reply["stdout"]), "".join(reply["stderr"])
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(cmd, timeout, out, err)
-    return subprocess.CompletedProcess(cmd, reply["returncode"], out, err)
+    done = subprocess.CompletedProcess(cmd, reply["returncode"], out, err)
+    done.master_port = reply.get("master_port", 0)  # type: ignore[attr-defined]
+    return done
 
 
 def _forked(module: str, args: tuple, env: dict[str, str], ranks: int,

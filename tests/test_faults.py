@@ -19,7 +19,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import REPO, TINY, check, clean_env, error_lines, free_port, metrics, run_app
+from tests.helpers import (
+    REPO,
+    TINY,
+    check,
+    clean_env,
+    error_lines,
+    free_port,
+    launch,
+    metrics,
+    run_app,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -93,9 +103,10 @@ def _launch(args: list, env: dict) -> subprocess.Popen:
     return proc
 
 
-def _shm_left(*procs: subprocess.Popen) -> list[Path]:
-    """DeepSpeed's /dev/shm all-reduce buffers of these jobs still there (app.runtime.dist unlinks
-    them once the group is up, so not even a killed rank leaves its ~70 MB behind)."""
+def _shm_left(*procs: subprocess.Popen | subprocess.CompletedProcess) -> list[Path]:
+    """DeepSpeed's /dev/shm all-reduce buffers of these jobs (their `master_port`) still there
+    (app.runtime.dist unlinks them once the group is up, so not even a killed rank leaves its
+    ~70 MB behind)."""
     return [p for proc in procs
             for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{proc.master_port}_*")]
 
@@ -121,17 +132,17 @@ def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float 
 # One uninterrupted 2-rank run that both the SIGTERM and the SIGKILL runs are compared with:
 # every flag the same (--log-every 1: the SIGTERM comparison is step by step), so one run serves
 # both, and the runs compared with it differ from it only in the fault (and, for the SIGTERM run,
-# --save-every, which changes no weight).
+# --save-every, which changes no weight). The faults hit ranks of the real launcher; the reference
+# run and the resumes are not what these tests test, so they are forked from the warm process with
+# the launcher's environment (tests/helpers.py `launch`): the same code, threads and losses.
 TWO_RANK = ["train", *COMMON, "--log-every", "1", "--max-steps", "30"]
 
 
 @pytest.fixture(scope="module")
 def two_rank_full(mlm_dataset, tmp_path_factory):
-    """The 2-rank reference run (launcher's Popen kept: its shm buffers are checked too)."""
+    """The 2-rank reference run (its rendezvous port kept: its shm buffers are checked too)."""
     full = tmp_path_factory.mktemp("two_rank") / "full"
-    proc = _launch([*TWO_RANK, "--data", mlm_dataset, "--out", full], clean_env())
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-3000:]
+    proc = check(launch(*TWO_RANK, "--data", mlm_dataset, "--out", full))
     return full, proc
 
 
@@ -149,9 +160,7 @@ def test_sigterm_on_one_rank_checkpoints_and_resumes_exactly(mlm_dataset, two_ra
     tag = (cut / "checkpoints" / "latest").read_text()
     stopped_at = int(tag.removeprefix("global_step"))
     assert 12 <= stopped_at < 30
-    proc = _launch(args, clean_env())
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
+    check(launch(*args))
     a, b = losses(full), losses(cut)
     assert all(a[s] == pytest.approx(b[s], rel=1e-5) for s in range(stopped_at + 1, 31))
 
@@ -167,9 +176,7 @@ def test_sigkill_of_a_rank_then_resume_gives_bit_identical_weights(mlm_dataset, 
     os.kill(_ranks(crash)[-1], signal.SIGKILL)
     killed.communicate(timeout=300)
     assert killed.returncode != 0  # the launcher ended the job: no hung peer
-    resumed = _launch(args, clean_env())
-    out, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, out[-3000:]
+    resumed = check(launch(*args))
     assert _shm_left(first, killed, resumed) == []
     for name, run in (("full", full), ("crash", crash)):
         check(run_app("export", run, "--out", tmp_path / f"hf_{name}"))

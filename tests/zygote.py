@@ -203,7 +203,7 @@ def run(req: dict) -> dict:
     os.rmdir(work)
     codes = [pids[p] for p in order]
     return {"returncodes": codes, "stdout": out, "stderr": err, "timed_out": timed_out,
-            "returncode": first_bad if first_bad is not None else 0}
+            "returncode": first_bad if first_bad is not None else 0, "master_port": port}
 
 
 def serve(path: str) -> None:

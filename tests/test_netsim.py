@@ -22,7 +22,7 @@ import pytest
 
 from app.sweep import configs as sweep
 from data_tools.errors import UserError
-from tests.helpers import REPO, clean_env, train_losses
+from tests.helpers import REPO, clean_env, launch, train_losses
 
 NETSIM = REPO / "bench" / "netsim.py"
 
@@ -102,6 +102,14 @@ def train_on(data: Path, out: Path, nodes: int, ppn: int, rate: str, steps: int,
              *extra: str) -> subprocess.CompletedProcess:
     return run_netsim("run", "--nodes", nodes, "--procs-per-node", ppn, "--rate", rate, *extra,
                       "--", "--data", data, "--out", out, "--max-steps", steps, *TRAIN)
+
+
+def train_here(data: Path, out: Path, ranks: int, steps: int, *extra: str
+               ) -> subprocess.CompletedProcess:
+    """The reference: the same ranks on this box, no namespace, no link (forked from the warm
+    process with the launcher's environment: tests/helpers.py `launch`)."""
+    return launch("train", "--data", data, "--out", out, "--max-steps", steps, *TRAIN, *extra,
+                  procs=ranks)
 
 
 def same_losses(a: Path, b: Path) -> None:
@@ -231,7 +239,7 @@ def test_two_shaped_nodes_train_as_two_ranks_on_one_node_and_leave_nothing(mlm_d
     assert shown.count("qdisc htb 1: root") == 4, shown  # both ends of both links
     assert "2 rank(s) on 2 node(s)" in proc.stdout + proc.stderr
     assert "network: ZeRO-0 across 2 nodes" in proc.stdout + proc.stderr  # app.build.stage_hint
-    local = train_on(mlm_dataset, tmp_path / "local", 1, 2, "none", 4)
+    local = train_here(mlm_dataset, tmp_path / "local", 2, 4)
     ok(local)
     assert "network: " not in local.stdout + local.stderr
     same_losses(tmp_path / "net", tmp_path / "local")
@@ -249,9 +257,7 @@ def test_two_islands_as_two_nodes_train_as_two_islands_on_one_node(mlm_dataset, 
     ok(run_netsim("run", "--nodes", 2, "--procs-per-node", 1, "--rate", "200mbit", "--",
                   "--data", mlm_dataset, "--out", tmp_path / "net", "--max-steps", 5, *TRAIN,
                   *diloco))
-    ok(run_netsim("run", "--nodes", 1, "--procs-per-node", 2, "--rate", "none", "--", "--data",
-                  mlm_dataset, "--out", tmp_path / "local", "--max-steps", 5, *TRAIN, *diloco,
-                  "--island-ranks", 1))
+    ok(train_here(mlm_dataset, tmp_path / "local", 2, 5, *diloco, "--island-ranks", "1"))
     same_losses(tmp_path / "net", tmp_path / "local")
     for run in ("net", "local"):
         config = json.loads((tmp_path / run / "config.json").read_text())
@@ -354,7 +360,7 @@ def test_a_stopped_or_killed_tool_leaves_nothing_behind(mlm_dataset, tmp_path):
 @pytest.mark.slow
 def test_four_nodes_train_as_four_ranks_on_one_node(mlm_dataset, tmp_path):
     ok(train_on(mlm_dataset, tmp_path / "net", 4, 1, "1gbit", 3))
-    ok(train_on(mlm_dataset, tmp_path / "local", 1, 4, "none", 3))
+    ok(train_here(mlm_dataset, tmp_path / "local", 4, 3))
     same_losses(tmp_path / "net", tmp_path / "local")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from data_tools.__main__ import main as data_tools_main  # noqa: E402
+from tests import file_seconds  # noqa: E402
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # ~1.6 MB of .py: four packages and some big top-level modules, copied in a fixed order.
@@ -45,6 +46,10 @@ def pytest_cmdline_main(config):
     file or test named) takes one pytest-xdist worker per core, each taking whole files (their
     module fixtures train once), as tests/run.sh does. `-n N` or TEST_WORKERS=N chooses (0: this
     process); a run that names files or tests stays in this process, which starts faster."""
+    # whole files to the workers in the order collection leaves them (heaviest first), not
+    # xdist's (most tests first): tests/run.sh passes -n and --dist itself
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if (config.option.numprocesses is not None or os.environ.get("PYTEST_XDIST_WORKER")
             or not config.pluginmanager.hasplugin("xdist")
             or config.args_source == pytest.Config.ArgsSource.ARGS
@@ -75,10 +80,14 @@ def pytest_runtest_teardown(item):
 def pytest_collection_modifyitems(items):
     """`multirank` implies `slow`: a test that starts ranks through the launcher, or reads a
     fixture that does, takes tens of seconds; `-m "not slow"` leaves it out without a second mark
-    on every such test."""
+    on every such test. The files run heaviest first (tests/file_seconds.py; a file not measured
+    yet last), each in its own order: whole files go to the pytest-xdist workers in this order."""
     for item in items:
         if item.get_closest_marker("multirank") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+    seconds = file_seconds.load()
+    order = {item: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(item.path.name, 0.0), order[item]))
 
 
 @pytest.fixture

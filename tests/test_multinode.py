@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, TINY, clean_env, free_port, train_losses
+from tests.helpers import REPO, TINY, check, clean_env, free_port, launch, train_losses
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
@@ -155,12 +155,10 @@ def assert_same_losses(got: dict, ref: dict) -> None:
 
 @pytest.fixture(scope="module")
 def one_node(mlm_dataset, tmp_path_factory) -> dict[int, float]:
-    """The reference: one node, two ranks, the same global batch."""
+    """The reference: one node, two ranks, the same global batch (forked from the warm process
+    with the launcher's environment: the launchers under test are the multi-node ones)."""
     tmp = tmp_path_factory.mktemp("one_node")
-    hook = hook_dir(tmp)
-    r = run_launch(["--procs-per-node", "2", "--master-port", free_port(), "--",
-                    "--data", mlm_dataset, "--out", tmp / "run", *ARGS], launch_env(hook))
-    assert r.returncode == 0, r.stderr[-3000:]
+    check(launch("train", "--data", mlm_dataset, "--out", tmp / "run", *ARGS, procs=2))
     assert world_size(tmp / "run") == 2
     return train_losses(tmp / "run")
 

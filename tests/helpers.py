@@ -202,6 +202,23 @@ def remanifest(tag: Path) -> None:
     manifest.write(tag, manifest.own_entries(tag, 0))
 
 
+def script_ranks(script: Path, cwd: str, procs: int = 2, timeout: int = 300,
+                 args: list | None = None) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` on `procs` ranks forked from this worker's warm process with the
+    environment DeepSpeed's launcher gives them (tests/zygote.py), or through the real launcher
+    (`deepspeed_script`) where a fork cannot take the environment; asserts it succeeded."""
+    env = clean_env()
+    client = zygote(env)
+    if client is None:
+        return deepspeed_script(script, cwd, procs, timeout, args)
+    argv = [str(script), *map(str, args or [])]
+    proc = _completed([sys.executable, *argv],
+                      client.run([argv] * procs, env, cwd, launcher=True, timeout=timeout),
+                      timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def deepspeed_script(script: Path, cwd: str, procs: int = 2, timeout: int = 300,
                      args: list | None = None) -> subprocess.CompletedProcess:
     """`script ARGS` on `procs` ranks started by the real deepspeed launcher; asserts it

@@ -17,7 +17,7 @@ import torch
 
 from app.runtime import registry
 from data_tools.errors import UserError
-from tests.helpers import REPO, TINY, clean_env, deepspeed_script, free_port
+from tests.helpers import REPO, TINY, clean_env, free_port, script_ranks
 
 # -- the switch and the target checks (no training) ----------------------------------------------
 
@@ -218,7 +218,7 @@ def _jobs(tmp: Path, jobs: dict[str, dict], procs: int = 1) -> dict[str, tuple[i
                               capture_output=True, text=True, timeout=1200)
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
-        proc = deepspeed_script(script, cwd=str(REPO), procs=procs, timeout=1200, args=[spec])
+        proc = script_ranks(script, cwd=str(REPO), procs=procs, timeout=1200, args=[spec])
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RUN "):
@@ -358,8 +358,9 @@ BF16_SCATTER = 2e-4
 @pytest.mark.multirank
 @pytest.mark.timeout(1800)
 def test_two_ranks_none_and_all_agree_and_a_nan_gradient_is_skipped(mlm_dataset, tmp_path):
-    """Two ranks through the real launcher, one process each for all the runs: `none` and `all`
-    train the same losses at ZeRO 0-3 in fp32 and ZeRO-1 in bf16, and the NCCL-shaped branch of
+    """Two ranks (forked with the launcher's environment), one process each for all the runs:
+    `none` and `all` train the same losses at ZeRO 0-3 in fp32 and ZeRO-1 in bf16, and the
+    NCCL-shaped branch of
     the app's reduce-scatter and gather (`-gloo_pairwise`: reduce_scatter_tensor and the list
     all-gather, on gloo) trains them too; a NaN gradient on rank 0 at step 4 (ZeRO-1 fp32: a
     partition's element) is skipped on both ranks, named, never saved."""
@@ -443,7 +444,7 @@ def test_fp16_zero1_on_two_ranks_keeps_deepspeeds_loss_scale(tmp_path):
     path (the review's M-1: summing first overflowed twice as soon)."""
     script = tmp_path / "fp16.py"
     script.write_text(FP16_ZERO1)
-    proc = deepspeed_script(script, cwd=str(REPO))
+    proc = script_ranks(script, cwd=str(REPO))
     out = json.loads(next(line[5:] for line in proc.stdout.splitlines()
                           if line.startswith("FP16 ")))
     assert "partition_reduce" in out["all"]["patches"]

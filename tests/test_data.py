@@ -460,6 +460,9 @@ loader = build_train_loader(spec, micro_batch=2, global_batch=8, dp_rank=rank, d
                             consumed_samples=16, num_workers=1)
 batches = list(itertools.islice(iter(loader), 10))
 torch.save(batches, os.path.join({out!r}, f"rank{{rank}}.pt"))
+# the loader's worker told to stop now; left to interpreter exit, multiprocessing SIGTERMs it and
+# the rank waits out its WORKER_TERM_GRACE_S (30 s, app/data/loader.py) before it can exit
+del loader
 '''
 
 

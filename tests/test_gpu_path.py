@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from app.runtime.device import Device, attention_implementation, set_cpu_threads
 from app.runtime.overlap import block_starts
 from app.runtime.param_groups import layer_blocks, optimizer_groups
 from app.trainer import token_sums
-from tests.helpers import REPO, TINY, check, clean_env, remanifest, run_app
+from tests.helpers import REPO, TINY, check, clean_env, python, remanifest, run_app
 
 # Every test that trains is marked slow; the bf16 fixture's three runs are the first to need
 # DeepSpeed's fused Adam, which a fresh machine builds (minutes) inside that fixture.
@@ -160,8 +158,9 @@ def test_bf16_without_a_stage_defaults_to_zero1(mlm_dataset, tmp_path):
 
 
 def _probe(*args) -> dict:
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "step_probe.py"), *map(str, args)],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    # a process of its own, forked from the warm process (tests/helpers.py `python`): the probe
+    # builds its trainer and counts what its steps dispatch after the start, not the start
+    proc = python(REPO / "tests" / "step_probe.py", *args, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("PROBE "):])

@@ -279,6 +279,9 @@ spec = DataSpec({data!r}, "train", {seq}, "mlm", "doc-packed", seed=3)
 loader = build_train_loader(spec, micro_batch=2, global_batch=8, dp_rank=rank, dp_size=world,
                             consumed_samples=16, num_workers=1)
 torch.save(list(itertools.islice(iter(loader), 10)), os.path.join({out!r}, f"rank{{rank}}.pt"))
+# the loader's worker told to stop now; left to interpreter exit, multiprocessing SIGTERMs it and
+# the rank waits out its WORKER_TERM_GRACE_S (30 s, app/data/loader.py) before it can exit
+del loader
 '''
 
 

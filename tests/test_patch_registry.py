@@ -360,10 +360,10 @@ BF16_SCATTER = 2e-4
 def test_two_ranks_none_and_all_agree_and_a_nan_gradient_is_skipped(mlm_dataset, tmp_path):
     """Two ranks (forked with the launcher's environment), one process each for all the runs:
     `none` and `all` train the same losses at ZeRO 0-3 in fp32 and ZeRO-1 in bf16, and the
-    NCCL-shaped branch of
-    the app's reduce-scatter and gather (`-gloo_pairwise`: reduce_scatter_tensor and the list
-    all-gather, on gloo) trains them too; a NaN gradient on rank 0 at step 4 (ZeRO-1 fp32: a
-    partition's element) is skipped on both ranks, named, never saved."""
+    NCCL-shaped branch of the app's reduce-scatter and gather (`-gloo_pairwise`:
+    reduce_scatter_tensor and the list all-gather, on gloo) trains them too; a NaN gradient on
+    rank 0 at step 4 (ZeRO-1 fp32: a partition's element) is skipped on both ranks, named, never
+    saved."""
     steps = ["--max-steps", "6"]
     grid = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16")]
     if not FULL_MATRIX:  # ZeRO-0 and ZeRO-2 at two ranks: PATCH_MATRIX=1

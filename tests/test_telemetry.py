@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.telemetry import figures as telemetry
-from tests.helpers import REPO, TINY, check, clean_env, metrics
+from tests.helpers import REPO, TINY, check, clean_env, launch, metrics, python
 
 KEY = "0123456789abcdef0123456789abcdef01234567"
 
@@ -75,8 +75,10 @@ def _launch(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def run(mlm_dataset, tmp_path_factory):
-    """12 steps on 2 ranks, rank 1's loader slowed, wandb offline with an API key set; then
-    resumed to 18 steps."""
+    """12 steps on 2 ranks through launch.sh, rank 1's loader slowed, wandb offline with an API
+    key set; then resumed to 18 steps on 2 ranks forked from the warm process with the
+    launcher's environment (the plain log of launch.sh is the first run's; the resume is what
+    the wandb run and the summary read)."""
     root = tmp_path_factory.mktemp("telemetry")
     out = root / "run"
     env = clean_env(WANDB_MODE="offline", WANDB_API_KEY=KEY,
@@ -85,7 +87,7 @@ def run(mlm_dataset, tmp_path_factory):
             "--eval-every", "6", "--save-every", "6", "--wandb-group", "tests",
             "--wandb-tags", "ci", "telemetry"]
     first = check(_launch(*args, "--max-steps", "18", "--stop-at-step", "12", env=env))
-    second = check(_launch(*args, "--max-steps", "18", env=env))
+    second = check(launch("train", *args, "--max-steps", "18", procs=2, env=env))
     return out, first.stdout + first.stderr, second.stdout + second.stderr
 
 
@@ -156,14 +158,11 @@ def test_the_offline_wandb_run_holds_metrics_and_config_under_one_id(run):
 def test_report_writes_pngs_for_one_run_and_for_two(run, tmp_path):
     out, _, _ = run
     copy = Path(shutil.copytree(out, tmp_path / "again", ignore=shutil.ignore_patterns("wandb")))
-    check(subprocess.run(["python", "-m", "app", "report", str(out)], cwd=REPO, env=clean_env(),
-                         capture_output=True, text=True, timeout=300))
+    check(python("-m", "app", "report", out, timeout=300))
     names = {"curves.png", "loss.png", "throughput.png", "data_wait.png", "memory.png"}
     assert names <= {p.name for p in out.iterdir()} and (out / "report.md").is_file()
     both = tmp_path / "both"
-    check(subprocess.run(["python", "-m", "app", "report", str(out), str(copy), "--out",
-                          str(both)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                         timeout=300))
+    check(python("-m", "app", "report", out, copy, "--out", both, timeout=300))
     for name in names:
         assert (both / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (both / "report.md").read_text()

@@ -21,7 +21,7 @@ from app.sweep import command as bench
 from app.sweep import configs as sweep
 from app.sweep import results as bench_results
 from data_tools.errors import UserError
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, clean_env, run_app
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -220,8 +220,9 @@ def test_a_killed_sweep_resumes_and_a_failing_configuration_is_recorded(mlm_data
     assert len(list((out / "results").glob("*.json"))) == 1
     measured = first.read_bytes()
 
-    again = subprocess.run(bench_cmd(mlm_dataset, out), cwd=REPO, env=env, capture_output=True,
-                           text=True, timeout=300)
+    # the sweep again (forked from the warm process: its configurations still run through the
+    # real launcher, as children of their own)
+    again = run_app(*bench_cmd(mlm_dataset, out)[3:], env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(1 measured already)" in again.stderr
     assert "[1/2]" not in again.stdout + again.stderr  # not run again

@@ -41,10 +41,13 @@ GRACE_S = 30.0  # DeepSpeed's launcher: SIGTERM to the other ranks, SIGKILL afte
 
 
 def preload() -> None:
-    """What every `python -m app` run imports (the heavy part of its start)."""
+    """What every `python -m app` run imports (the heavy part of its start). Muon's module:
+    DeepSpeed's optimizer check imports it in every ZeRO engine's build (torch.compile,
+    functorch, networkx: ~560 modules, ~2 s a fork otherwise)."""
     import deepspeed  # noqa: F401
     import deepspeed.runtime.bf16_optimizer  # noqa: F401
     import deepspeed.runtime.engine  # noqa: F401
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     import deepspeed.runtime.zero.stage3  # noqa: F401
     import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
     import torch  # noqa: F401

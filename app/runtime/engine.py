@@ -8,6 +8,7 @@ backward/step and never imports DeepSpeed.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from app.runtime import gather, islands, registry, step_guard
 from app.runtime.device import device_ordinal
+from app.runtime.ds_config import zero_stage
 from app.runtime.ops import load_op, optimizer_op
 from app.runtime.overlap import GradReducer, PartitionReducer, flat_group
 from app.runtime.patches import (
@@ -63,7 +65,12 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     # as it builds (a forced see_memory_usage, DeepSpeed 0.19), each a walk over every object the
     # imports made (~400k: torch, transformers, DeepSpeed): ~0.2 s apiece, 6 s of bert-tiny's start
     # on a CPU core (docs/design.md, "Start-up"). Frozen, those objects are out of the collector's
-    # way; they live as long as the process does. What is garbage now is collected first.
+    # way; they live as long as the process does. What is garbage now is collected first. With
+    # ZeRO, DeepSpeed's optimizer check imports Muon while it builds (torch.compile, functorch,
+    # networkx: ~560 modules, ~80k objects): imported here, they are frozen too.
+    if zero_stage(ds_config) > 0:
+        with contextlib.suppress(ImportError):
+            import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     gc.collect()
     gc.freeze()
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=param_groups,

@@ -68,10 +68,32 @@ def preload() -> None:
 
     get_accelerator()
     preemption.release()  # the zygote's own signals stay the default ones
+    _load_built_ops()
     # The imported modules' objects (~400k) out of the collector's way: a fork's collections
     # (DeepSpeed's own gc.collect() calls among them) neither walk them nor copy their pages
     gc.collect()
     gc.freeze()
+
+
+def _load_built_ops() -> None:
+    """DeepSpeed's ops the CPU runs load, where they are built already: the shared-memory
+    collectives (every run: app.runtime.dist) and fused Adam (the runs in bf16). Loading one
+    checks its build and asks cpuinfo twice in subprocesses, ~2 s a process; DeepSpeed keeps a
+    loaded op for the process (OpBuilder._loaded_ops), so every fork finds them loaded. One not
+    built yet (a fresh machine): the first run that needs it builds it, as before."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from app.runtime import ops
+    from app.runtime.device import accelerator
+
+    ops._own_extensions_dir()
+    for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+        builder = accelerator().create_op_builder(name)
+        if builder is None:
+            continue
+        built = Path(_get_build_directory(builder.NAME, verbose=False)) / f"{builder.NAME}.so"
+        if built.is_file():
+            ops.load_op(name)
 
 
 def _child(req: dict, rank: int, ranks: int, port: int, out: str, err: str) -> None:

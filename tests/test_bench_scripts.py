@@ -101,6 +101,19 @@ def test_bench_scaling_ceiling_times_the_apps_step_in_one_and_two_processes():
 
 
 @pytest.mark.slow
+def test_bench_engine_build_builds_with_and_without_the_freeze(mlm_dataset, tmp_path):
+    """Both sides build the bf16 ZeRO-1 engine in fresh processes with BF16_Optimizer's
+    collections; frozen, a collection walks a few thousand objects, not the ~500k imported."""
+    out = ok(bench("bench_engine_build.py", "--data", mlm_dataset, "--runs", "1", "--json",
+                   tmp_path / "build.json", timeout=600))
+    assert "build with/without: " in out and "| frozen |" in out
+    median = json.loads((tmp_path / "build.json").read_text())["median"]
+    assert median["with"]["collect_calls"] == median["without"]["collect_calls"] > 20
+    assert median["with"]["objects_tracked"] < 50_000 < 300_000 < \
+        median["without"]["objects_tracked"]
+
+
+@pytest.mark.slow
 def test_bench_step_compares_the_apps_step_with_a_plain_one(mlm_dataset):
     out = ok(bench("bench_step.py", "--data", mlm_dataset, "--seq-len", "32", "--micro-batch",
                    "2", "--block", "1", "--rounds", "2", "--log-every", "1"))

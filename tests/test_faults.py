@@ -209,11 +209,10 @@ def test_ids_past_the_vocabulary_are_one_line_naming_the_shard(mlm_dataset, tmp_
     ids = np.memmap(shard, dtype=np.uint16, mode="r+")
     ids[::500] = 65535
     ids.flush()
-    proc = subprocess.run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
-                           "--no_local_rank", "--master_port", str(free_port()), "--module",
-                           "app", "train", "--data", str(data), "--out", str(tmp_path / "r"),
-                           *map(str, TINY), "--max-steps", "5", "--num-workers", "1"], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    # two ranks with a loader worker each, forked with the launcher's environment (the data
+    # check is under test, not the launcher)
+    proc = launch("train", "--data", data, "--out", tmp_path / "r", *TINY, "--max-steps", "5",
+                  "--num-workers", "1", timeout=600)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [ln for ln in error_lines(proc.stderr) if ": error: " in ln]
     assert lines and all(f"{shard}: token id 65535 in sample" in ln for ln in lines), lines
@@ -252,10 +251,12 @@ def test_a_shard_cut_short_under_a_running_job_is_one_line_and_a_checkpoint(mlm_
 
 @pytest.mark.multirank
 def test_a_hung_rank_is_named_by_the_watchdog(mlm_dataset, tmp_path):
-    proc = _launch(["train", "--data", mlm_dataset, "--out", tmp_path / "r", *TINY,
-                    "--max-steps", "30", "--hang-timeout", "8"],
-                   clean_env(DSPRETRAIN_TEST_HANG="1:6"))
-    out, _ = proc.communicate(timeout=300)
+    """The app's watchdog on the hung rank names it, prints its threads' stacks and exits 124;
+    the launcher (here its stand-in, tests/zygote.py: SIGTERM to the other ranks) ends the job."""
+    proc = launch("train", "--data", mlm_dataset, "--out", tmp_path / "r", *TINY,
+                  "--max-steps", "30", "--hang-timeout", "8",
+                  env=clean_env(DSPRETRAIN_TEST_HANG="1:6"), timeout=300)
+    out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "rank 1: no progress for" in out and "exit 124" in out
     assert "hang_here" in out  # where it hangs: the stacks of its threads

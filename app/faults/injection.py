@@ -154,9 +154,13 @@ def refuse_training(env: Mapping[str, str] = os.environ) -> None:
 
 
 def slow_start(env: Mapping[str, str] = os.environ) -> None:
-    """DSPRETRAIN_TEST_SLOW_START=SECONDS: start-up waits that long once the run is planned, so
-    a test's signal surely lands before the loop (a stop signal only sets a flag: the wait goes
-    on)."""
+    """DSPRETRAIN_TEST_SLOW_START=SECONDS: start-up waits up to that long once the run is planned,
+    so a test's signal surely lands before the loop; a stop signal (which only sets a flag) ends
+    the wait, and the start-up's next safe point stops the run."""
     seconds = env.get("DSPRETRAIN_TEST_SLOW_START")
     if seconds:
-        time.sleep(float(seconds))
+        from app.faults import preemption
+
+        end = time.monotonic() + float(seconds)
+        while time.monotonic() < end and not preemption.requested():
+            time.sleep(0.05)

@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,9 +25,9 @@ from tests.helpers import (
     check,
     clean_env,
     error_lines,
-    free_port,
     launch,
     run_app,
+    script_ranks,
     train_losses,
 )
 
@@ -269,11 +268,7 @@ print("same weights", flush=True)
 barrier()
 shutdown()  # a group left to interpreter exit can abort in gloo's threads
 """)
-    launcher = shutil.which("deepspeed")
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--no_local_rank", "--master_port",
-                           str(free_port()), str(probe)], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = script_ranks(probe, cwd=str(REPO), timeout=600)  # 2 ranks, the launcher's env
     assert proc.stdout.count("same weights") == 2
 
 

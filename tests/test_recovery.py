@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ from app.faults import anomaly
 from app.faults.preemption import EXIT_PREEMPTED
 from app.faults.recovery import Recovery
 from data_tools.errors import Stopped
-from tests.helpers import REPO, TINY, check, clean_env, flip, free_port, metrics, run_app
+from tests.helpers import TINY, check, clean_env, flip, launch, metrics, run_app
 
 GBS, SEQ = 4, 8  # samples a global batch, tokens a sample
 
@@ -377,15 +374,12 @@ def test_a_real_rollback_with_no_good_tag_left_stops(mlm_dataset, tmp_path):
 
 @pytest.mark.multirank
 def test_two_ranks_agree_on_the_tag_a_rollback_falls_back_to(mlm_dataset, tmp_path):
-    """The same damage on a 2-rank job (the real deepspeed launcher): every rank checks each tag
-    and they agree in a collective, so both load global_step3 and the job trains on to its end."""
+    """The same damage on a 2-rank job (forked with the launcher's environment): every rank
+    checks each tag and they agree in a collective, so both load global_step3 and the job trains
+    on to its end."""
     run = tmp_path / "run"
-    launcher = str(Path(sys.executable).parent / "deepspeed")
-    proc = subprocess.run(
-        [launcher, "--num_gpus", "2", "--no_local_rank", "--master_port", str(free_port()),
-         "--module", "app", "train", "--data", str(mlm_dataset), "--out", str(run), *REAL],
-        cwd=REPO, env=clean_env(DSPRETRAIN_TEST_POISON="7:nan", DSPRETRAIN_TEST_DAMAGE_SAVE="6"),
-        capture_output=True, text=True, timeout=900)
+    proc = launch("train", "--data", mlm_dataset, "--out", run, *REAL, timeout=900,
+                  env=clean_env(DSPRETRAIN_TEST_POISON="7:nan", DSPRETRAIN_TEST_DAMAGE_SAVE="6"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
     lines = [ln for ln in out.splitlines() if "rollback: passing over global_step6" in ln]

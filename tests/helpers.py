@@ -102,11 +102,17 @@ def _forked(module: str, args: tuple, env: dict[str, str], ranks: int,
     """`python -m MODULE ARGS` on `ranks` ranks forked from the warm process with the
     launcher's environment, as a CompletedProcess (the launcher's status); None when it must be
     a real process."""
+    return _forked_argv(["-m", module, *map(str, args)], env, ranks, timeout, str(REPO))
+
+
+def _forked_argv(argv: list[str], env: dict[str, str], ranks: int, timeout: float,
+                 cwd: str) -> subprocess.CompletedProcess | None:
+    """`python ARGV` on `ranks` ranks forked from the warm process (more than one: with the
+    launcher's environment); None when it must be a real process."""
     client = zygote(env)
     if client is None:
         return None
-    argv = ["-m", module, *map(str, args)]
-    reply = client.run([argv] * ranks, env, str(REPO), launcher=ranks > 1, timeout=timeout)
+    reply = client.run([argv] * ranks, env, cwd, launcher=ranks > 1, timeout=timeout)
     return _completed([sys.executable, *argv], reply, timeout)
 
 
@@ -207,14 +213,9 @@ def script_ranks(script: Path, cwd: str, procs: int = 2, timeout: int = 300,
     """`python SCRIPT ARGS` on `procs` ranks forked from this worker's warm process with the
     environment DeepSpeed's launcher gives them (tests/zygote.py), or through the real launcher
     (`deepspeed_script`) where a fork cannot take the environment; asserts it succeeded."""
-    env = clean_env()
-    client = zygote(env)
-    if client is None:
+    proc = _forked_argv([str(script), *map(str, args or [])], clean_env(), procs, timeout, cwd)
+    if proc is None:
         return deepspeed_script(script, cwd, procs, timeout, args)
-    argv = [str(script), *map(str, args or [])]
-    proc = _completed([sys.executable, *argv],
-                      client.run([argv] * procs, env, cwd, launcher=True, timeout=timeout),
-                      timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

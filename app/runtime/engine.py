@@ -63,11 +63,11 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
     args = types.SimpleNamespace(device_rank=device_ordinal(int(os.environ.get("LOCAL_RANK", 0))))
     # DeepSpeed's BF16_Optimizer (bf16 at ZeRO 0-1) runs gc.collect() twice per parameter group
     # as it builds (a forced see_memory_usage, DeepSpeed 0.19), each a walk over every object the
-    # imports made (~400k: torch, transformers, DeepSpeed): ~0.2 s apiece, 6 s of bert-tiny's start
-    # on a CPU core (docs/design.md, "Start-up"). Frozen, those objects are out of the collector's
-    # way; they live as long as the process does. What is garbage now is collected first. With
-    # ZeRO, DeepSpeed's optimizer check imports Muon while it builds (torch.compile, functorch,
-    # networkx: ~560 modules, ~80k objects): imported here, they are frozen too.
+    # imports made (~500k: torch, transformers, DeepSpeed): 0.2-0.3 s apiece, 7.7 s of bert-tiny's
+    # 9.4 s build on a CPU core (docs/design.md, "Start-up"). Frozen, those objects are out of the
+    # collector's way; they live as long as the process does. What is garbage now is collected
+    # first. With ZeRO, DeepSpeed's optimizer check imports Muon while it builds (torch.compile,
+    # functorch, networkx: ~560 modules, ~80k objects): imported here, they are frozen too.
     if zero_stage(ds_config) > 0:
         with contextlib.suppress(ImportError):
             import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401

@@ -190,11 +190,10 @@ def test_another_sweep_into_the_same_out_is_refused_and_overwrite_removes_only_b
 
 # -- a real sweep --------------------------------------------------------------------------------
 
-def bench_cmd(data: Path, out: Path) -> list[str]:
+def bench_args(data: Path, out: Path) -> list[str]:
     # world 2's rank 1 hangs at step 2; the watchdog fails that configuration after 2 s
-    return [sys.executable, "-m", "app", "bench", "--data", str(data), "--out", str(out),
-            "--sweep", "world=1,2", "seq_len=32", "micro_batch=2", "--steps", "4", "--",
-            "--hang-timeout", "2"]
+    return ["bench", "--data", str(data), "--out", str(out), "--sweep", "world=1,2",
+            "seq_len=32", "micro_batch=2", "--steps", "4", "--", "--hang-timeout", "2"]
 
 
 @pytest.mark.multirank
@@ -203,8 +202,9 @@ def test_a_killed_sweep_resumes_and_a_failing_configuration_is_recorded(mlm_data
     env = clean_env(DSPRETRAIN_TEST_HANG="1:2")
     env.pop("OMP_NUM_THREADS")  # bench chooses the threads per rank
     first = out / "results" / "bert-tiny-zero0-world1-mb2-seq32-workers0-threads1.json"
-    proc = subprocess.Popen(bench_cmd(mlm_dataset, out), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "app", *bench_args(mlm_dataset, out)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     try:  # SIGKILL the sweep while world 2's ranks run
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -222,7 +222,7 @@ def test_a_killed_sweep_resumes_and_a_failing_configuration_is_recorded(mlm_data
 
     # the sweep again (forked from the warm process: its configurations still run through the
     # real launcher, as children of their own)
-    again = run_app(*bench_cmd(mlm_dataset, out)[3:], env=env, timeout=300)
+    again = run_app(*bench_args(mlm_dataset, out), env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(1 measured already)" in again.stderr
     assert "[1/2]" not in again.stdout + again.stderr  # not run again

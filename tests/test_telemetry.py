@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.telemetry import figures as telemetry
-from tests.helpers import REPO, TINY, check, clean_env, launch, metrics, python
+from tests.helpers import REPO, TINY, check, clean_env, launch, metrics, run_app
 
 KEY = "0123456789abcdef0123456789abcdef01234567"
 
@@ -158,11 +158,11 @@ def test_the_offline_wandb_run_holds_metrics_and_config_under_one_id(run):
 def test_report_writes_pngs_for_one_run_and_for_two(run, tmp_path):
     out, _, _ = run
     copy = Path(shutil.copytree(out, tmp_path / "again", ignore=shutil.ignore_patterns("wandb")))
-    check(python("-m", "app", "report", out, timeout=300))
+    check(run_app("report", out, timeout=300))
     names = {"curves.png", "loss.png", "throughput.png", "data_wait.png", "memory.png"}
     assert names <= {p.name for p in out.iterdir()} and (out / "report.md").is_file()
     both = tmp_path / "both"
-    check(python("-m", "app", "report", out, copy, "--out", both, timeout=300))
+    check(run_app("report", out, copy, "--out", both, timeout=300))
     for name in names:
         assert (both / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (both / "report.md").read_text()

@@ -29,7 +29,14 @@ fi
 shellcheck launch.sh bench/gpu_check.sh
 # An unpinned torch would pull the CUDA wheels; the CPU build is the one the tests ran with.
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-python -m pip install -q -c constraints.txt -e ".[dev]"
+# The project, once per environment and checkout while setup.cfg, pyproject.toml and constraints.txt
+# stay as they were (pip takes ~11 s to find nothing to do): a stamp in the environment says which.
+stamp="$(python -c 'import sys; print(sys.prefix)')/.dspretrain-tests-installed"
+want="$PWD $(cat setup.cfg pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  python -m pip install -q -c constraints.txt -e ".[dev]"
+  echo "$want" 2>/dev/null > "$stamp" || true
+fi
 # Lint and types first: seconds, and a failure there says more than a test would.
 ruff check .
 mypy  # setup.cfg [mypy]: app/runtime, app/checkpoint, app/data

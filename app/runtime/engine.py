@@ -73,6 +73,7 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any],
             import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     gc.collect()
     gc.freeze()
+    gc.enable()  # off since app/__main__.py, for the imports
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=param_groups,
                                            config=ds_config, lr_scheduler=scheduler, mpu=mpu)
     registry.adopt_deepspeed_swaps(engine)  # ZeRO-3's F.linear: undone with the engine

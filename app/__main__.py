@@ -27,14 +27,16 @@ COMMANDS = {
 
 
 def main(argv=None) -> int:
-    # A command's imports (torch, DeepSpeed, transformers) make ~500k objects that live as long as
-    # the process; the automatic collections walking them are ~15 % of a rank's start-up CPU. The
-    # collector is off until they are frozen: below for every command but train, in
-    # app.runtime.engine.initialize for train (DeepSpeed is imported on the way there).
-    # docs/design.md, "Start-up".
+    if argv is not None:  # called in-process (tests, scripts): the collector is the caller's
+        return run_cli("python -m app", __doc__, COMMANDS, argv)
+    # A process of its own. A command's imports (torch, DeepSpeed, transformers) make ~500k
+    # objects that live as long as the process; the automatic collections walking them are ~15 %
+    # of a rank's start-up CPU. The collector is off until they are frozen: below for every
+    # command but train, in app.runtime.engine.initialize for train (DeepSpeed is imported on the
+    # way there). docs/design.md, "Start-up".
     gc.disable()
     try:
-        argv = list(sys.argv[1:] if argv is None else argv)
+        argv = sys.argv[1:]
         if argv and argv[0] in COMMANDS:
             importlib.import_module(COMMANDS[argv[0]][0])  # what run_cli imports
         if not argv or argv[0] != "train":

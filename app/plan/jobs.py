@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
+from typing import Any
 
 from app.plan import network
 from app.plan.inputs import ModelInfo, setup_ds
@@ -116,7 +117,7 @@ def network_job(req: PlanRequest, info: ModelInfo, setup: ZeroSetup, net: Networ
         zero3_gathers=1 if p <= setup.max_live_parameters else 2)
 
 
-_LAYOUTS: dict[tuple[str, float], tuple[network.Grad, ...]] = {}
+_LAYOUTS: dict[tuple[int, float], tuple[Any, tuple[network.Grad, ...]]] = {}
 
 
 def backward_layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ...]:
@@ -125,12 +126,12 @@ def backward_layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ..
     first use. Work: a matrix's elements where a matmul uses it (an embedding lookup: none), the
     tied MLM decoder on the masked share of tokens only (the sparse head); a weight used twice
     (tied) is final after its last use in backward, the input embedding, at the very end."""
-    # by the config's content: an id() is reused once a config is collected (a tune search
-    # describes many models in one process)
-    key = (info.config.to_json_string(use_diff=False), mask_prob)
+    # by the config object, which the entry holds so that its id() is not reused (a tune search
+    # describes many models in one process); the plan's search asks once an option
+    key = (id(info.config), mask_prob)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = _layout(info, mask_prob)
-    return _LAYOUTS[key]
+        _LAYOUTS[key] = (info.config, _layout(info, mask_prob))
+    return _LAYOUTS[key][1]
 
 
 def _layout(info: ModelInfo, mask_prob: float) -> tuple[network.Grad, ...]:

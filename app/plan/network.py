@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from math import ceil
 from typing import Any, Callable, NamedTuple
 
@@ -292,6 +293,14 @@ class Grad(NamedTuple):
     """Share of forward's work done before forward first uses it."""
 
 
+# The plan's search (app.plan.recommend) asks for the same model's buckets and pieces a few
+# thousand times a plan (341 options for a 2-node bert-tiny); they depend on the layout and the
+# sizes only, so they are kept (functools' cache, bounded: a tune search plans many models in one
+# process). A repeated plan of that job in one process: 0.8-1.1 -> 0.3-0.4 CPU-s. (`sized_calls`
+# is not kept: it reads overlap.MIN_PIECE_BYTES, which tests change.)
+MEMO = 4096
+
+
 def uniform_layout(params: int, groups: int = 64) -> tuple[Grad, ...]:
     """Without a model: the parameters spread evenly over backward and forward."""
     return tuple(Grad(params // groups + (i < params % groups), (i + 1) / groups,
@@ -440,6 +449,12 @@ def partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int, blocks: 
     app.runtime.param_groups.optimizer_groups cuts them), each a flat buffer partitioned on its
     own; bucket (b, c) = piece c of every partition of block b, `per_block` pieces a block
     (default: its share of `pieces`, at least one)."""
+    return list(_partition_pieces(layout, world, pieces, blocks, per_block))
+
+
+@lru_cache(maxsize=MEMO)
+def _partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int, blocks: int,
+                      per_block: int | None) -> tuple[tuple[float, float, float], ...]:
     starts, flat = _spans(layout)
     total, out = starts[-1], []
     runs = block_starts([g.elements for g in flat], max(blocks, 1)) + [len(flat)]
@@ -451,7 +466,7 @@ def partition_pieces(layout: tuple[Grad, ...], world: int, pieces: int, blocks: 
                                 size / (world * n), world, float("inf"))
             out.append((size / total / n, max(g.ready for g in members),
                         min(g.needed for g in members)))
-    return out
+    return tuple(out)
 
 
 def _block_parts(layout: tuple[Grad, ...], world: int, blocks: int
@@ -496,6 +511,13 @@ def span_pieces(layout: tuple[Grad, ...], world: int, blocks: int,
                 ) -> list[tuple[float, float, float]]:
     """`partition_pieces` for calls given as spans (Collective.spans: the pieces of every
     rank's partition of the blocks each call holds): [(share, ready, needed)]."""
+    return list(_span_pieces(layout, world, blocks, spans))
+
+
+@lru_cache(maxsize=MEMO)
+def _span_pieces(layout: tuple[Grad, ...], world: int, blocks: int,
+                 spans: tuple[tuple[tuple[int, int, int], ...], ...]
+                 ) -> tuple[tuple[float, float, float], ...]:
     starts, flat, los, sizes, parts = _block_parts(layout, world, blocks)
     total, out = sum(parts) or 1, []
     for call in spans:
@@ -506,12 +528,17 @@ def span_pieces(layout: tuple[Grad, ...], world: int, blocks: int,
         out.append((sum(n for _, _, n in call) / total,
                     max((g.ready for g in members), default=0.0),
                     min((g.needed for g in members), default=1.0)))
-    return out
+    return tuple(out)
 
 
 def cut_buckets(layout: tuple[Grad, ...], size: int) -> list[tuple[float, float, float]]:
     """Buckets of about `size` elements in backward order, as app/runtime/overlap.py cuts them
     (a parameter larger than a bucket is one alone): [(share, ready, needed)]."""
+    return list(_cut_buckets(layout, size))
+
+
+@lru_cache(maxsize=MEMO)
+def _cut_buckets(layout: tuple[Grad, ...], size: int) -> tuple[tuple[float, float, float], ...]:
     total = sum(g.elements for g in layout) or 1
     out, filled, members = [], 0, []
     for g in layout:
@@ -521,8 +548,8 @@ def cut_buckets(layout: tuple[Grad, ...], size: int) -> list[tuple[float, float,
         members.append(g)
         filled += g.elements
     out.append(members)
-    return [(sum(g.elements for g in m) / total, max(g.ready for g in m),
-             min(g.needed for g in m)) for m in out if m]
+    return tuple((sum(g.elements for g in m) / total, max(g.ready for g in m),
+                  min(g.needed for g in m)) for m in out if m)
 
 
 def schedule(c: Collective, world: int) -> list[tuple[float, float, float]]:

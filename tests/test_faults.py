@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from tests.helpers import (
     free_port,
     launch,
     metrics,
+    python,
     run_app,
 )
 
@@ -225,21 +227,20 @@ def test_a_shard_cut_short_under_a_running_job_is_one_line_and_a_checkpoint(mlm_
     the run stops with one line naming the shard, its last whole step saved (one rank)."""
     data = Path(shutil.copytree(mlm_dataset, tmp_path / "data"))
     shard, run = data / "train_00000.bin", tmp_path / "run"
-    cmd = [sys.executable, "-m", "app", "train", "--data", data, "--out", run, *TINY,
-           "--max-steps", "200", "--log-every", "1", "--eval-every", "0"]
-    proc = subprocess.Popen([str(a) for a in cmd], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=clean_env(DSPRETRAIN_TEST_SLOW_LOADER="0:0.3"))
-    try:
+    args = ["train", "--data", data, "--out", run, *TINY, "--max-steps", "200", "--log-every", "1",
+            "--eval-every", "0"]
+    # the run is a fork of the warm process (the cut file is under test, not the interpreter's
+    # start), waited on in a thread while this one cuts the shard under it
+    with ThreadPoolExecutor(1) as pool:
+        job = pool.submit(run_app, *args, timeout=600,
+                          env=clean_env(DSPRETRAIN_TEST_SLOW_LOADER="0:0.3"))
         deadline = time.time() + 300
         while not ((run / "metrics.jsonl").is_file() and metrics(run)) and \
-                time.time() < deadline and proc.poll() is None:
+                time.time() < deadline and not job.done():
             time.sleep(0.2)
         os.truncate(shard, shard.stat().st_size // 20)
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        proc = job.result()
+    err = proc.stderr
     assert proc.returncode == 2 and "Traceback" not in err, (proc.returncode, err[-3000:])
     lines = [ln for ln in error_lines(err) if ": error: " in ln]
     assert len(lines) == 1 and f"{shard}:" in lines[0] and "truncated under the running job" \
@@ -254,7 +255,7 @@ def test_a_hung_rank_is_named_by_the_watchdog(mlm_dataset, tmp_path):
     """The app's watchdog on the hung rank names it, prints its threads' stacks and exits 124;
     the launcher (here its stand-in, tests/zygote.py: SIGTERM to the other ranks) ends the job."""
     proc = launch("train", "--data", mlm_dataset, "--out", tmp_path / "r", *TINY,
-                  "--max-steps", "30", "--hang-timeout", "8",
+                  "--max-steps", "30", "--hang-timeout", "4",
                   env=clean_env(DSPRETRAIN_TEST_HANG="1:6"), timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -272,19 +273,25 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start(tmp_
     _own_extensions_dir()  # the directory the app builds in (TORCH_EXTENSIONS_DIR from now on)
     code = ("from app.runtime.ops import load_op; load_op('ShareMemCommBuilder');"
             "load_op('FusedAdamBuilder'); print('loaded')")
-    check(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
-                         capture_output=True, text=True, timeout=600))  # built and cached
+    # built and cached: a fork of the warm process, which has loaded both where they are built
+    # (on a fresh machine the fork builds them)
+    check(python("-c", code, timeout=600))
     # the locks go into a copy of the built ops: another test's start (a pytest-xdist worker's)
     # would clear one left in the shared directory, and say so in its own stderr
     own = tmp_path / "extensions"
     shutil.copytree(os.environ["TORCH_EXTENSIONS_DIR"], own, symlinks=True)
     env = clean_env(TORCH_EXTENSIONS_DIR=str(own))
+    locks = []
     for name in ("deepspeed_shm_comm", "fused_adam"):
-        lock = own / name / "lock"
         assert Path(_get_build_directory(name, verbose=False)).name == name  # torch's layout
-        lock.touch()  # what a process killed inside torch's build leaves behind
-        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=120)
-        check(proc)
-        assert "loaded" in proc.stdout and not lock.exists()
+        locks.append(own / name / "lock")
+        locks[-1].touch()  # what a process killed inside torch's build leaves behind
+    # one fresh process finds both (a fork of the warm process has the ops loaded already and
+    # would never look at a lock)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    check(proc)
+    assert "loaded" in proc.stdout
+    for lock in locks:
+        assert not lock.exists()
         assert f"removing {lock}, a build lock left by a process killed" in proc.stderr

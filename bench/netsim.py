@@ -503,7 +503,7 @@ COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 
 
 def collective_worker(argv: list[str]) -> int:
-    """One rank of `netsim.py collectives` (started by torch.distributed.run in a node): times
+    """One rank of `netsim.py collectives` (started in a node with env:// variables): times
     each collective at each size (fp32, the whole tensor's bytes) with wall and process CPU
     clocks (the process's CPU: gloo's threads' copies, sums and socket calls), rank 0 writes
     the medians as JSON."""
@@ -547,13 +547,14 @@ def time_collectives(nodes: int, rate: int | None, sizes: list[int], repeats: in
     {"world", "rows": [{"kind", "bytes", "wall_ms", "cpu_ms"}]}."""
     result = out / f"collectives-{nodes}node-{rate_text(rate)}.json"
     with stop_signals(), Cluster(nodes, rate, 0.0) as cluster:
-        commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-                     "--nproc-per-node", "1", "--node-rank", str(k), "--master-addr",
-                     cluster.addr(0), "--master-port", str(cluster.port), str(Path(__file__)),
-                     "_collective-worker", str(result), str(repeats), *map(str, sizes)]
-                    for k in range(nodes)]
-        rc = run_nodes(cluster, commands, [node_env(1) for _ in commands], 1, timeout,
-                       result.with_suffix(".log"))
+        # One rank a node needs no torch.distributed.run: the rank itself, with the env://
+        # variables the launcher would give it (the launcher's imports are ~2.5 CPU-s a node)
+        commands = [[sys.executable, str(Path(__file__)), "_collective-worker", str(result),
+                     str(repeats), *map(str, sizes)] for _ in range(nodes)]
+        envs = [node_env(1, {"RANK": str(k), "LOCAL_RANK": "0", "WORLD_SIZE": str(nodes),
+                             "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": cluster.addr(0),
+                             "MASTER_PORT": str(cluster.port)}) for k in range(nodes)]
+        rc = run_nodes(cluster, commands, envs, 1, timeout, result.with_suffix(".log"))
     if rc != 0:
         raise UserError(f"the collectives probe at {rate_text(rate)} failed (exit {rc}; log: "
                         f"{result.with_suffix('.log')})")

@@ -9,6 +9,12 @@ import os
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# Before torch loads: one thread for the tests' own tensors (a model's forward in a test, an
+# in-process build). Each pytest worker shares the cores with the other and with the runs it
+# starts; a second OpenMP thread spins at every barrier for a core that is busy elsewhere: 17
+# forwards of bert-tiny took 2.6-4.5 s with 2 threads against 0.37 s with 1, on this 2-core box
+# under load. Runs started in a clean environment (tests/helpers.py clean_env) get 1 too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import shutil  # noqa: E402
 import sysconfig  # noqa: E402

@@ -94,14 +94,15 @@ def run(model_name: str, dropout: float, mask: str, compiled: bool, args) -> dic
     """ms per forward + backward (median of `--repeats` timings of `--steps`), peak memory, and
     the compiled graph's attention."""
     from app.models.build import build_model
-    from app.models.presets import build_config
+    from app.models.presets import build_config, parse_overrides
 
     gpu = not args.cpu
     device = "cuda" if gpu else "cpu"
     torch._dynamo.reset()
     ops = GraphOps().install()
     cfg = build_config(model_name, vocab_size=VOCAB, dropout=dropout,
-                       special_ids={"pad": 0, "mask": 1, "cls": 2, "sep": 3, "unk": 4})
+                       special_ids={"pad": 0, "mask": 1, "cls": 2, "sep": 3, "unk": 4},
+                       overrides=parse_overrides(args.model_arg))
     model = build_model(cfg, seed=0, for_training=True).to(device)
     if gpu:
         model = model.to(torch.bfloat16)  # as DeepSpeed's bf16 runs it
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="bert-tiny on CPU, fp32 (CI)")
     p.add_argument("--model", help="a preset (default bert-120m; bert-tiny with --cpu)")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config field over the preset's, as `app train --model-arg` "
+                   "(num_hidden_layers=1: half the graph to compile)")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--dropout", type=float, nargs="+", default=[0.1, 0.0])

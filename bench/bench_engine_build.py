@@ -4,11 +4,12 @@ app/runtime/engine.py does before `deepspeed.initialize`) against the same build
     python bench/bench_engine_build.py --data DATASET --model bert-tiny --runs 2
 
 DeepSpeed's BF16_Optimizer (bf16 at ZeRO 0-1) runs `gc.collect()` twice per parameter group while
-it builds (docs/design.md, "Start-up"). Each run here is a fresh process (one rank, this box's
-accelerator) that builds a bf16 ZeRO-1 `app train` run with `app.build.build` and reports the
-build's seconds, `app.runtime.engine.initialize`'s, and how many `gc.collect()` calls there were and
-their seconds; "without" replaces `gc.freeze` by a no-op in that process. The two alternate, run by
-run. Prints a markdown table and the ratio with/without of the medians.
+it builds (docs/design.md, "Start-up"). Each run here is a process of its own (one rank, this box's
+accelerator; a fork of this one, which has imported nothing of the app's, so the run imports it as
+a fresh process would) that builds a bf16 ZeRO-1 `app train` run with `app.build.build` and reports
+the build's seconds, `app.runtime.engine.initialize`'s, and how many `gc.collect()` calls there
+were and their seconds; "without" replaces `gc.freeze` by a no-op in that process. The two
+alternate, run by run. Prints a markdown table and the ratio with/without of the medians.
 """
 from __future__ import annotations
 
@@ -16,22 +17,22 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-ROW = "ENGINE_BUILD "
-
-
 def measure(data: str, out: str, model: str, freeze: bool) -> dict:
-    """In this (fresh) process: build the run, time it and its collections."""
+    """In this process (a run's own): build the run, time it and its collections."""
     import gc
     import time
 
+    # A parent that has imported the app already and frozen it (a test's warm process) hands
+    # its objects back to the collector: both sides start as a fresh process's imports leave them
+    gc.unfreeze()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       WANDB_MODE="disabled")
     from app.runtime.dist import free_port
@@ -75,16 +76,33 @@ def measure(data: str, out: str, model: str, freeze: bool) -> dict:
 
 
 def one_run(args: argparse.Namespace, freeze: bool, work: Path, k: int) -> dict:
-    out = work / f"run-{k}-{'with' if freeze else 'without'}"
-    cmd = [sys.executable, __file__, "--child", "--data", args.data, "--model", args.model,
-           "--child-out", str(out), *([] if freeze else ["--no-freeze"])]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200, env=env)
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(ROW)]
-    if proc.returncode != 0 or not rows:
-        sys.exit(f"bench_engine_build: a run failed (exit {proc.returncode}):\n"
-                 f"{proc.stderr[-3000:]}")
-    return json.loads(rows[-1][len(ROW):])
+    """One side's build in a forked child, its output in a log beside its figures."""
+    name = f"run-{k}-{'with' if freeze else 'without'}"
+    log, result = work / f"{name}.log", work / f"{name}.json"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            result.write_text(json.dumps(measure(args.data, str(work / name), args.model,
+                                                 freeze)))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code != 0 or not result.is_file():
+        sys.exit(f"bench_engine_build: a run failed (exit {code}):\n"
+                 f"{log.read_text(errors='replace')[-3000:]}")
+    return json.loads(result.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,14 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="bert-tiny", help="a preset (default bert-tiny)")
     p.add_argument("--runs", type=int, default=2, help="runs of each side (default 2)")
     p.add_argument("--json", help="also write the runs and medians here")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--child-out", help=argparse.SUPPRESS)
-    p.add_argument("--no-freeze", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child:
-        result = measure(args.data, args.child_out, args.model, freeze=not args.no_freeze)
-        print(ROW + json.dumps(result), flush=True)
-        return 0
     if args.runs < 1:
         p.error("--runs: at least 1")
     runs: dict[str, list[dict]] = {"without": [], "with": []}

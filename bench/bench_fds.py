@@ -101,8 +101,10 @@ def logged_steps(run: Path) -> int:
     return sum('"train/loss"' in line for line in path.read_text().splitlines())
 
 
-def measure(tree: Path, world: int, data: Path, work: Path, timeout: float) -> dict[int, dict]:
-    """{rank: max counts over 3 samples in the loop} for one job of `world` ranks."""
+def measure(tree: Path, world: int, data: Path, work: Path, timeout: float,
+            samples: int = 3) -> dict[int, dict]:
+    """{rank: max counts over `samples` samples in the loop, a second apart} for one job of
+    `world` ranks."""
     marker, run = uuid.uuid4().hex, work / f"run-{tree.name}-{world}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update({MARK: marker, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"})
@@ -117,22 +119,23 @@ def measure(tree: Path, world: int, data: Path, work: Path, timeout: float) -> d
                 raise SystemExit(f"{tree.name}, {world} ranks: no training steps "
                                  f"(exit {job.poll()}): {job.stderr.read()[-2000:]}")
             time.sleep(0.5)
-        samples: dict[int, dict] = {}
-        for _ in range(3):
+        counts: dict[int, dict] = {}
+        for i in range(samples):
+            if i:
+                time.sleep(1.0)
             for rank, pid in rank_pids(marker).items():
                 now = fd_counts(pid)
-                old = samples.get(rank, now)
-                samples[rank] = {k: max(now[k], old[k]) for k in now}
-            time.sleep(1.0)
+                old = counts.get(rank, now)
+                counts[rank] = {k: max(now[k], old[k]) for k in now}
         os.kill(job.pid, signal.SIGTERM)  # launch.sh stops the job: a checkpoint, exit 75
         job.communicate(timeout=300)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    if len(samples) != world:
-        raise SystemExit(f"{tree.name}, {world} ranks: found {len(samples)} rank processes")
-    return samples
+    if len(counts) != world:
+        raise SystemExit(f"{tree.name}, {world} ranks: found {len(counts)} rank processes")
+    return counts
 
 
 def line_fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
@@ -185,8 +188,12 @@ def main() -> int:
     p.add_argument("--data", type=Path, help="a prepared dataset (default: a small stdlib one)")
     p.add_argument("--extrapolate", type=int, default=1024, help="ranks to extrapolate to")
     p.add_argument("--timeout", type=float, default=900, help="seconds for a job to reach step 3")
+    p.add_argument("--samples", type=int, default=3, help="samples of each rank's descriptors "
+                   "a job, a second apart, the largest kept (default 3)")
     p.add_argument("--json", type=Path, help="write the figures here as well")
     args = p.parse_args()
+    if args.samples < 1:
+        p.error("--samples: at least 1")
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench_fds.") as tmp:
         work = Path(tmp)
@@ -197,7 +204,7 @@ def main() -> int:
         results: dict[str, dict] = {name: {} for name in trees}
         for n in sizes:  # alternating, so both trees see the same load on the box
             for name, tree in trees.items():
-                results[name][n] = measure(tree, n, data, work, args.timeout)
+                results[name][n] = measure(tree, n, data, work, args.timeout, args.samples)
                 print(f"{name} at {n} ranks: {results[name][n]}", file=sys.stderr, flush=True)
         rows = summarize(results, sizes, args.extrapolate)
     print_table(rows, sizes, args.extrapolate)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,6 +76,42 @@ def busy_cores(seconds: float) -> float:
     return len(os.sched_getaffinity(0)) * (b2 - b1) / max(t2 - t1, 1)
 
 
+def start(args: argparse.Namespace) -> tuple[int, int]:
+    """A process of its own running `one(args)`: its pid and the read end of its figure. A fork of
+    this one, which has imported nothing of the work's (it does that itself, as a fresh
+    interpreter would); where the parent has them already (a test's warm process), the child skips
+    the imports, which are no part of what it times."""
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            err = os.dup(2)
+            quiet = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(quiet, 2)  # the libraries' warnings: a traceback only goes to our stderr
+            try:
+                os.write(w, json.dumps(one(args)).encode())
+                code = 0
+            except BaseException:
+                os.write(err, traceback.format_exc().encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def finish(pid: int, r: int) -> float:
+    with os.fdopen(r) as f:
+        text = f.read()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code != 0 or not text:
+        raise SystemExit(f"bench_scaling_ceiling: a measuring process failed (exit {code})")
+    return json.loads(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", choices=("step", "gemm"), default="step")
@@ -90,12 +127,10 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args)))
         return
-    cmd = [sys.executable, __file__, "--one", *sys.argv[1:]]
 
     def run(n: int) -> list[float]:
-        procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                  text=True) for _ in range(n)]
-        return [json.loads(pr.communicate()[0]) for pr in procs]
+        started = [start(args) for _ in range(n)]
+        return [finish(pid, r) for pid, r in started]
 
     ratios = []
     for i in range(args.repeats):

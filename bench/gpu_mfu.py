@@ -63,9 +63,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from app import child_pythonpath  # noqa: E402
-from bench.bench_compile_attn import GraphOps  # noqa: E402
-from bench.bench_loader import make_dataset  # noqa: E402
-from bench.bench_step import alternate  # noqa: E402
+
+# bench.bench_compile_attn (torch.compile's modules), bench_loader and bench_step (the app's build,
+# transformers) are imported where used: `--probe` (bench/gpu_check.sh's first check, a fresh
+# process) needs only torch and DeepSpeed
 
 VOCABS = {"bert": 30522, "gpt": 50257}  # bert-base-uncased's and GPT-2's
 THRESHOLDS = {"data_wait_pct": 1.0, "syncs_per_step": 0}
@@ -394,9 +395,12 @@ def _allreduce_rank(rank: int, world: int, port: int, mb: int, backend: str, out
     dist.destroy_process_group()
 
 
-def bus_bandwidth(world: int, out_dir: Path, mb: int = 256, backend: str = "nccl") -> dict:
-    """all_reduce bus bandwidth over `world` local processes (torch.multiprocessing.spawn) and,
-    with NCCL, the transport from its INFO log (NCCL_DEBUG_FILE, one file a process)."""
+def bus_bandwidth(world: int, out_dir: Path, mb: int = 256, backend: str = "nccl",
+                  start_method: str = "spawn") -> dict:
+    """all_reduce bus bandwidth over `world` local processes (torch.multiprocessing, fresh
+    interpreters: `start_method` "fork" only where this process has no CUDA state, as a test's
+    gloo run) and, with NCCL, the transport from its INFO log (NCCL_DEBUG_FILE, one file a
+    process)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -410,7 +414,8 @@ def bus_bandwidth(world: int, out_dir: Path, mb: int = 256, backend: str = "nccl
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = out_dir / "allreduce.json"
-    mp.spawn(_allreduce_rank, args=(world, port, mb, backend, str(result)), nprocs=world)
+    mp.start_processes(_allreduce_rank, args=(world, port, mb, backend, str(result)),
+                       nprocs=world, start_method=start_method)
     lines = [line for f in sorted(out_dir.glob("nccl.*.log")) for line in open(f, errors="replace")]
     return {"world": world, "mb": mb, "backend": backend, **json.loads(result.read_text()),
             "transport": nccl_transports(lines) if backend == "nccl" else None}
@@ -558,6 +563,8 @@ def sync_sites(step: Callable[[], None], trainer, steps: int, log_every: int,
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Both sides of one model: timed blocks, then the app's syncs, then profiles of each."""
     from app.runtime.device import synchronize
+    from bench.bench_compile_attn import GraphOps
+    from bench.bench_step import alternate
 
     # with --compile, the attention the app's compiled graph holds (the H200 run: SDPA's math
     # path where eager runs cuDNN's; bench/bench_compile_attn.py varies what differs)
@@ -659,6 +666,34 @@ def child(spec_path: str) -> None:
     shutdown()  # the app's trainer joined a process group (NCCL warns of one left at exit)
 
 
+def forked_child(spec_path: Path, log) -> int:
+    """`--child SPEC` on CPU as a fork of this process, which has imported torch, DeepSpeed and
+    the app already (a fresh interpreter would import them again, no part of what it measures);
+    its exit status as the interpreter's would be. A CPU run has no device state a fork would
+    share, and this process has joined no process group; on a GPU the child stays a fresh
+    interpreter (CUDA does not survive a fork)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            os.environ["PYTHONPATH"] = child_pythonpath()  # for any process it starts
+            child(str(spec_path))
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
 # -- the parent: datasets, one child a model (halving the batch on OOM), verdicts ---------------
 
 def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dict[str, Any]:
@@ -677,8 +712,12 @@ def run_model(args, model: str, data: Path, g: dict[str, int], out: Path) -> dic
         cmd = [sys.executable, __file__, "--child", str(spec_path),
                *(["--cpu"] if args.cpu else [])]
         with open(out / f"{tag}.log", "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": child_pythonpath()}).returncode
+            if args.cpu and threading.active_count() == 1:
+                rc = forked_child(spec_path, log)
+            else:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONPATH": child_pythonpath()}
+                                    ).returncode
         if rc == OOM_EXIT and micro > 8:
             print(f"{model}: out of memory at micro batch {micro}; trying {micro // 2}")
             micro //= 2
@@ -879,6 +918,8 @@ def main() -> int:
 def dataset(tmp: Path, fam: str, args, g: dict[str, int]) -> Path:
     """The family's synthetic token shards (once per family): enough tokens that the run does
     not repeat them (the loader's epoch boundary is no part of a step's cost)."""
+    from bench.bench_loader import make_dataset
+
     root = tmp / fam
     if not (root / "dataset.json").exists():
         steps = steps_a_side(g)

@@ -184,9 +184,13 @@ def test_a_probes_shm_buffers_are_removed(tmp_path):
 
 # -- real tuning on CPU ----------------------------------------------------------------------------
 
+def tune_args(dataset: Path, out: Path, *extra: str) -> list[str]:
+    return ["tune", "--data", str(dataset), "--out", str(out), "--model", "bert-tiny",
+            "--seq-len", "64", *extra]
+
+
 def tune_cmd(dataset: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "app", "tune", "--data", str(dataset), "--out", str(out),
-            "--model", "bert-tiny", "--seq-len", "64", *extra]
+    return [sys.executable, "-m", "app", *tune_args(dataset, out, *extra)]
 
 
 @pytest.mark.slow
@@ -199,9 +203,10 @@ def test_search_survives_running_out_of_a_small_budget(mlm_dataset, tmp_path):
     base = max(m["sys/max_mem_gb"] for m in metrics(tmp_path / "one") if "sys/max_mem_gb" in m)
     budget = base + 40 / 1024
     out = tmp_path / "tuned"
-    proc = subprocess.run(tune_cmd(mlm_dataset, out, "--mem-gb", f"{budget:.4f}",
-                                   "--max-micro-batch", "64", "--max-workers", "1"),
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
+    # tune forked from the warm process: its probes, the subject, are real processes all the same
+    # (exec'd: each rank's VmHWM is its own, not the warm process's)
+    proc = run_app(*tune_args(mlm_dataset, out, "--mem-gb", f"{budget:.4f}",
+                              "--max-micro-batch", "64", "--max-workers", "1"), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "tune.json").read_text())
     probes = [p for p in report["probes"] if p["num_workers"] == 0]  # the batch search
@@ -235,7 +240,7 @@ def test_interrupt_leaves_nothing_behind(mlm_dataset, tmp_path, sig):
         for line in proc.stderr:  # wait for the first probe to end; the second is running
             if line.startswith("probe 1:"):
                 break
-        time.sleep(3)
+        time.sleep(1)  # into the second probe's start-up (its imports take seconds)
         assert proc.poll() is None and not no_process_mentions(str(out))
         proc.send_signal(sig)
         proc.wait(timeout=60)

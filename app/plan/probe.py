@@ -2,10 +2,11 @@
 
 A probe is a separate process (or the deepspeed launcher and its ranks) in a new session, so an
 out-of-memory failure, a budget overrun or Ctrl-C never leaves the tuner unusable: the whole
-group is terminated, then killed, and reaped before `run_probe` returns. On CPU there is no
-device OOM, so a watchdog enforces the memory budget on each rank's resident memory; on an
-accelerator the real OOM error is the boundary (and the run's reported peak is checked too).
-The measurements come back through the run's metrics.jsonl, not through trainer internals.
+group is terminated, then killed (or killed at once: `term`), and reaped before `run_probe`
+returns. On CPU there is no device OOM, so a watchdog enforces the memory budget on each rank's
+resident memory; on an accelerator the real OOM error is the boundary (and the run's reported
+peak is checked too). The measurements come back through the run's metrics.jsonl, not through
+trainer internals.
 
 On CPU the peak is each rank's VmHWM (app.runtime.device.peak_rss_bytes) as watched here while
 the probe runs (the budget is enforced on it then), not the run's `sys/max_mem_gb`, which is the
@@ -53,12 +54,14 @@ class ProbeResult:
 
 def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int | None, timeout: float,
               watch_rss: bool, env: dict[str, str] | None = None, poll: float = 0.1,
-              rank_module: str = "app") -> ProbeResult:
+              rank_module: str = "app", term: bool = True) -> ProbeResult:
     """Run `cmd` (an `app train` into `run_dir`) and report what it measured.
 
     With `watch_rss`, the processes started as `python -m <rank_module>` (not their forked
     loader workers) are the ranks whose resident memory must stay within `budget_bytes`
-    (None: no budget; the peak is still recorded).
+    (None: no budget; the peak is still recorded). `term`: a probe that is stopped (over budget,
+    timed out, Ctrl-C) gets SIGTERM first, for a starter with clean-up of its own to do
+    (launch.sh, the simulated cluster); without it the group is killed at once.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -71,7 +74,7 @@ def run_probe(cmd: Sequence[str], run_dir: Path, *, budget_bytes: int | None, ti
                                       rank_module if watch_rss else None, poll)
             watched = watched if watch_rss else None
         finally:
-            kill_group(proc)  # also on Ctrl-C: nothing outlives the probe
+            kill_group(proc, term=term)  # also on Ctrl-C: nothing outlives the probe
     seconds = time.monotonic() - started
     if verdict is None:
         verdict = "ok" if proc.returncode == 0 else _failure(proc.returncode, log_path)
@@ -206,17 +209,18 @@ def rank_pids(pgid: int, module: str = "app") -> list[int]:
     return [p for p in pids if parents[p] not in parents]
 
 
-def kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """Terminate the probe's whole process group, kill what is left after `grace`, reap."""
+def kill_group(proc: subprocess.Popen, grace: float = 5.0, term: bool = True) -> None:
+    """Terminate the probe's whole process group, kill what is left after `grace`, reap.
+    Without `term`, kill it at once."""
     pgid = proc.pid
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+    for sig in (signal.SIGTERM, signal.SIGKILL) if term else (signal.SIGKILL,):
         if proc.poll() is not None and not group_pids(pgid):
             break
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             pass
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and (proc.poll() is None or group_pids(pgid)):
             time.sleep(0.05)
     try:

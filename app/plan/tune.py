@@ -190,8 +190,12 @@ class Prober:
         budget = s.mem_bytes if workers == 0 else None
         port = free_port()
         try:
+            # Killed at once when stopped: SIGTERM would have `app train` finish its start-up or
+            # step and save a checkpoint (app/faults/preemption.py), seconds of CPU and of memory
+            # over the budget for a run whose outcome is settled. Every process of the probe is
+            # in its group; the shared-memory buffers are removed below.
             result = run_probe(probe_command(flags, s.ranks, port), run_dir, budget_bytes=budget,
-                               timeout=s.probe_timeout, watch_rss=s.cpu, env=env)
+                               timeout=s.probe_timeout, watch_rss=s.cpu, env=env, term=False)
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints of a probe are of no use
             if s.ranks > 1 and s.cpu:

@@ -19,11 +19,13 @@ import os
 import statistics
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from bench.forking import fork_call, wait_exit  # noqa: E402
+
 
 def measure(data: str, out: str, model: str, freeze: bool) -> dict:
     """In this process (a run's own): build the run, time it and its collections."""
@@ -79,26 +81,16 @@ def one_run(args: argparse.Namespace, freeze: bool, work: Path, k: int) -> dict:
     """One side's build in a forked child, its output in a log beside its figures."""
     name = f"run-{k}-{'with' if freeze else 'without'}"
     log, result = work / f"{name}.log", work / f"{name}.json"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
-            result.write_text(json.dumps(measure(args.data, str(work / name), args.model,
-                                                 freeze)))
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    def build() -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        result.write_text(json.dumps(measure(args.data, str(work / name), args.model, freeze)))
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        code = wait_exit(fork_call(build, output=fd))
+    finally:
+        os.close(fd)
     if code != 0 or not result.is_file():
         sys.exit(f"bench_engine_build: a run failed (exit {code}):\n"
                  f"{log.read_text(errors='replace')[-3000:]}")

@@ -21,6 +21,9 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.forking import fork_call, wait_exit  # noqa: E402
 
 
 def one(args: argparse.Namespace) -> float:
@@ -35,7 +38,6 @@ def one(args: argparse.Namespace) -> float:
             for _ in range(20):
                 a @ b
     else:
-        sys.path.insert(0, str(REPO))
         from app.models.build import build_model
         from app.models.presets import build_config, parse_overrides
 
@@ -82,23 +84,19 @@ def start(args: argparse.Namespace) -> tuple[int, int]:
     interpreter would); where the parent has them already (a test's warm process), the child skips
     the imports, which are no part of what it times."""
     r, w = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
+
+    def measure() -> None:
+        os.close(r)
+        err = os.dup(2)
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 2)  # the libraries' warnings: a traceback only goes to our stderr
         try:
-            os.close(r)
-            err = os.dup(2)
-            quiet = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(quiet, 2)  # the libraries' warnings: a traceback only goes to our stderr
-            try:
-                os.write(w, json.dumps(one(args)).encode())
-                code = 0
-            except BaseException:
-                os.write(err, traceback.format_exc().encode())
-        finally:
-            os._exit(code)
+            os.write(w, json.dumps(one(args)).encode())
+        except BaseException:
+            os.write(err, traceback.format_exc().encode())
+            raise SystemExit(1) from None
+
+    pid = fork_call(measure)
     os.close(w)
     return pid, r
 
@@ -106,7 +104,7 @@ def start(args: argparse.Namespace) -> tuple[int, int]:
 def finish(pid: int, r: int) -> float:
     with os.fdopen(r) as f:
         text = f.read()
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    code = wait_exit(pid)
     if code != 0 or not text:
         raise SystemExit(f"bench_scaling_ceiling: a measuring process failed (exit {code})")
     return json.loads(text)

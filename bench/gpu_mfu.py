@@ -63,6 +63,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from app import child_pythonpath  # noqa: E402
+from bench.forking import fork_call, wait_exit  # noqa: E402
 
 # bench.bench_compile_attn (torch.compile's modules), bench_loader and bench_step (the app's build,
 # transformers) are imported where used: `--probe` (bench/gpu_check.sh's first check, a fresh
@@ -672,26 +673,11 @@ def forked_child(spec_path: Path, log) -> int:
     its exit status as the interpreter's would be. A CPU run has no device state a fork would
     share, and this process has joined no process group; on a GPU the child stays a fresh
     interpreter (CUDA does not survive a fork)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            os.environ["PYTHONPATH"] = child_pythonpath()  # for any process it starts
-            child(str(spec_path))
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    def run() -> None:
+        os.environ["PYTHONPATH"] = child_pythonpath()  # for any process it starts
+        child(str(spec_path))
+
+    return wait_exit(fork_call(run, output=log.fileno()))
 
 
 # -- the parent: datasets, one child a model (halving the batch on OOM), verdicts ---------------

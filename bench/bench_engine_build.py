@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.forking import fork_call, wait_exit  # noqa: E402
+from bench._forking import fork_call, wait_exit  # noqa: E402
 
 
 def measure(data: str, out: str, model: str, freeze: bool) -> dict:

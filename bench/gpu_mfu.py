@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from app import child_pythonpath  # noqa: E402
-from bench.forking import fork_call, wait_exit  # noqa: E402
+from bench._forking import fork_call, wait_exit  # noqa: E402
 
 # bench.bench_compile_attn (torch.compile's modules), bench_loader and bench_step (the app's build,
 # transformers) are imported where used: `--probe` (bench/gpu_check.sh's first check, a fresh

@@ -120,11 +120,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.one:
-        print(json.dumps(one(args)))
-        return
 
     def run(n: int) -> list[float]:
         started = [start(args) for _ in range(n)]

@@ -319,14 +319,35 @@ def test_the_collectives_probe_times_each_primitive(tmp_path):
     assert set(got["fit"]) == {"all-reduce", "reduce-scatter", "all-gather"}
 
 
-def _start_long_run(data: Path, run_dir: Path) -> subprocess.Popen:
+def _rank_processes(run_dir: Path) -> int:
+    """The app's rank processes (`python -u -m app train ... --out RUN_DIR`) on the nodes."""
+    count = 0
+    for pid in processes_naming(str(run_dir)):
+        try:
+            args = Path("/proc", str(pid), "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        count += args[1:5] == [b"-u", b"-m", b"app", b"train"]  # not launch.sh, runner, launch.py
+    return count
+
+
+def _start_long_run(data: Path, run_dir: Path, until_training: bool = True) -> subprocess.Popen:
+    """netsim running 2 nodes, waited on until both ranks train (or, with until_training=False,
+    until both nodes' rank processes exist: still importing, but the node's whole launcher chain
+    is up)."""
     proc = subprocess.Popen([sys.executable, str(NETSIM), "run", "--nodes", "2", "--rate",
                              "100mbit", "--", "--data", str(data), "--out", str(run_dir),
                              "--max-steps", "100000", *TRAIN], cwd=REPO, env=clean_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while not (run_dir / "metrics.jsonl").is_file() or \
-            not (run_dir / "metrics.jsonl").read_text().strip():
+
+    def started() -> bool:
+        if not until_training:
+            return _rank_processes(run_dir) >= 2
+        metrics_file = run_dir / "metrics.jsonl"
+        return metrics_file.is_file() and bool(metrics_file.read_text().strip())
+
+    while not started():
         assert proc.poll() is None and time.monotonic() < deadline, "training never started"
         time.sleep(0.2)  # both ranks train flat out from their first step until the signal
     assert len(namespaces_of(proc.pid)) == 3  # the switch and two nodes
@@ -343,7 +364,9 @@ def test_a_stopped_or_killed_tool_leaves_nothing_behind(mlm_dataset, tmp_path):
     assert namespaces_of(stopped.pid) == []
     assert processes_naming(str(tmp_path / "term")) == []
 
-    killed = _start_long_run(mlm_dataset, tmp_path / "kill")
+    # killed once every node's launcher chain has started its rank: what `clean` must find is
+    # the same processes in the same namespaces, and the ranks need not import and train first
+    killed = _start_long_run(mlm_dataset, tmp_path / "kill", until_training=False)
     killed.kill()
     killed.wait()
     left = namespaces_of(killed.pid)

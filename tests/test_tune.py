@@ -231,18 +231,36 @@ def test_search_survives_running_out_of_a_small_budget(mlm_dataset, tmp_path):
                   "--eval-samples", "1", "--wandb", "disabled"))
 
 
+def wait_for_probe(out: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until probe n's `app train` runs: exec'd, its command line naming its run directory
+    (before that, a signal can land inside Popen, before run_probe holds a process to stop)."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        logs = list(out.glob(f".probes-*/{n:02d}-mb*.log"))  # made just before the probe starts
+        if logs and not no_process_mentions(str(logs[0])[:-len(".log")]):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"probe {n} never ran")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_leaves_nothing_behind(mlm_dataset, tmp_path, sig):
     out = tmp_path / "tuned"
+    # Ctrl-C after a probe has ended (its log and run directory made and handled) and in the
+    # next; SIGTERM in the first, which saves a whole probe (~7 CPU-s): the stop is the same
+    # KeyboardInterrupt (interrupt_on_term), the finished probe is what the other adds
+    ended = 1 if sig == signal.SIGINT else 0
     proc = subprocess.Popen(tune_cmd(mlm_dataset, out, "--max-micro-batch", "64"), cwd=REPO,
                             env=clean_env(), stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_sigint)
     try:
-        for line in proc.stderr:  # wait for the first probe to end; the second is running
-            if line.startswith("probe 1:"):
-                break
-        time.sleep(1)  # into the second probe's start-up (its imports take seconds)
+        if ended:
+            for line in proc.stderr:
+                if line.startswith(f"probe {ended}:"):
+                    break
+        wait_for_probe(out, ended + 1, proc)
+        time.sleep(1)  # into the probe's start-up (its imports take seconds)
         assert proc.poll() is None and not no_process_mentions(str(out))
         proc.send_signal(sig)
         proc.wait(timeout=60)

@@ -107,7 +107,9 @@ def fake(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
 
     def probe(mb: int, mode: str, budget_mb: int = 10_000, timeout: float = 30):
-        cmd = [sys.executable, "-m", "fakerank", str(mb), mode]
+        # the test's directory on the command line: what no_process_mentions looks for (not
+        # "fakerank": another run's fakes on the box are not this test's)
+        cmd = [sys.executable, "-m", "fakerank", str(mb), mode, str(tmp_path)]
         return run_probe(cmd, tmp_path / f"run-{mb}-{mode}", budget_bytes=budget_mb * 2**20,
                          timeout=timeout, watch_rss=True, env=env, rank_module="fakerank")
     return probe
@@ -129,7 +131,7 @@ def test_watchdog_stops_a_rank_over_budget(fake, tmp_path):
     r = fake(200, "30", budget_mb=100)
     assert not r.ok and r.reason == "over budget" and r.peak_bytes > 100 * 2**20
     assert time.monotonic() - started < 15  # stopped, not waited for
-    assert no_process_mentions(str(tmp_path / "fakerank"))  # the worker went with the group
+    assert no_process_mentions(str(tmp_path))  # the worker went with the group
 
 
 def test_probe_failures_are_classified(fake):
@@ -155,7 +157,7 @@ def test_ctrl_c_during_a_probe_kills_its_group(fake, tmp_path):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    assert no_process_mentions("fakerank")
+    assert no_process_mentions(str(tmp_path))
 
 
 def test_ranks_are_not_their_workers(tmp_path):

@@ -296,9 +296,9 @@ def planned_total(dataset, preset: str, zero: int, ranks: int, seq: int, micro: 
 
 
 def run_fresh(*args) -> subprocess.CompletedProcess:
-    """`python -m app ARGS` started by a shell that forks it: `sys/max_mem_gb` is ru_maxrss,
-    which Linux carries across exec from the parent's memory, and this pytest process is large.
-    (The deepspeed launcher's ranks start from the launcher, a small process.)"""
+    """`python -m app ARGS` as a fresh process (through a shell that forks it, from the days
+    `sys/max_mem_gb` was ru_maxrss, which Linux carries across exec from a large parent; it is
+    VmHWM now, the process's own peak), never a fork of the warm process."""
     cmd = ["/bin/sh", "-c", '"$@" & wait $!', "sh", sys.executable, "-m", "app", *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True,
                           timeout=900)

@@ -50,10 +50,12 @@ def counted(tmp_path: Path, data: Path, steps: int, *args: str) -> dict:
     probe = tmp_path / f"probe{steps}"
     (probe / "out").mkdir(parents=True)
     last = str(steps)  # log, eval and save once, at the last step of both runs
+    # 4 x 32 tokens a micro batch: what is counted is the calls a step makes, not its size, and
+    # a bf16 step on CPU costs by its tokens (most of a bf16 run's CPU at 64)
     proc = python("-c", PROBED_APP, probe / "out", "train", "--data", data, "--out",
                   tmp_path / f"run{steps}", *TINY, "--model", "bert-tiny", "--seed", "5",
                   "--max-steps", last, "--log-every", last, "--eval-every", last, "--save-every",
-                  last, "--eval-samples", "8", *args)
+                  last, "--eval-samples", "8", "--seq-len", "32", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(p.read_text()) for p in (probe / "out").glob("*.json")]
     recs = [r for r in recs if r["argv"] and r["argv"][0].endswith(f"app{os.sep}__main__.py")]

@@ -13,9 +13,11 @@ from app.runtime.gather import TRACE_ENV, piece_elements
 from tests.helpers import TINY, check, launch, metrics, train_losses, two_gloo_ranks
 
 HALF, STEPS = 3, 6
-# 2 ranks x micro 4 x grad accum 2; dropout 0 so the two paths compare step by step
-COMMON = [*TINY, "--log-every", "1", "--grad-accum", "2", "--dropout", "0",
-          "--eval-every", "2", "--save-every", str(HALF), "--zero", "1"]
+# 2 ranks x micro 4 x grad accum 2; dropout 0 so the two paths compare step by step. 32 tokens a
+# sample and 8 eval samples: the gather moves the weights, whatever the batch (bf16 steps and
+# evals on CPU cost by their tokens, most of the bf16 case's CPU at TINY's 64 x 16)
+COMMON = [*TINY, "--seq-len", "32", "--eval-samples", "8", "--log-every", "1", "--grad-accum",
+          "2", "--dropout", "0", "--eval-every", "2", "--save-every", str(HALF), "--zero", "1"]
 # the resumed run's 5th step gets a NaN loss: a rollback to step 3's checkpoint, loaded while
 # that step's gather is in flight (app/faults/injection.py counts global batches from 0)
 POISON = "4:nan"

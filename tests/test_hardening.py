@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,12 +24,10 @@ import pytest
 from app.__main__ import main as app_main
 from data_tools.__main__ import main as data_tools_main
 from tests.helpers import (
-    NO_CAPS,
-    REPO,
     TINY,
     check,
-    clean_env,
     error_lines,
+    python,
     remanifest,
     run_app,
     snapshot,
@@ -63,12 +58,27 @@ def one_line(capsys, *needles: str) -> str:
     return lines[0]
 
 
-def cli(*argv, env_extra: dict | None = None, caps: bool = True) -> subprocess.CompletedProcess:
-    """`python -m data_tools|app ARGV` in its own process, optionally without root's powers."""
+# `python -m MODULE ARGV` (as tests/zygote.py runs it), after the process has dropped root's
+# capabilities where asked: what `setpriv --inh-caps=-all --bounding-set=-all` (tests/helpers.py
+# NO_CAPS) leaves a fresh root process, so file permissions apply as to any user
+AS_MODULE = """import ctypes, runpy, sys
+caps, module = sys.argv[1:3]
+if caps == "drop":
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    none = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: empty, in both words
+    if ctypes.CDLL(None, use_errno=True).capset(header, none) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+sys.argv = [module, *sys.argv[3:]]
+sys.modules.pop(module + ".__main__", None)
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def cli(*argv, caps: bool = True) -> subprocess.CompletedProcess:
+    """`python -m data_tools|app ARGV` in its own process (a fork of the warm process: the
+    commands' imports are not what is tested), optionally without root's powers."""
     module = "data_tools" if argv[0] in ("tokenizer", "prepare", "inspect", "stage") else "app"
-    cmd = ([] if caps else NO_CAPS) + [sys.executable, "-m", module, *map(str, argv)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(**(env_extra or {})),
-                          capture_output=True, text=True, timeout=600)
+    return python("-c", AS_MODULE, "keep" if caps else "drop", module, *argv)
 
 
 def proc_one_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -216,11 +226,16 @@ def test_checkpoint_save_on_a_full_disk(world, tmp_path):
         assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
 
-def _file_size_limit(limit: int):
-    def apply() -> None:  # in the child: writes past `limit` bytes fail with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    return apply
+# `python -m app ARGV` whose writes past LIMIT bytes fail with EFBIG (a fork of the warm
+# process that limits itself first)
+FILE_SIZE_LIMITED_APP = """import resource, runpy, signal, sys
+import app.__main__
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+sys.argv = [app.__main__.__file__, *sys.argv[2:]]  # as `python -m app` sets it
+runpy.run_path(app.__main__.__file__, run_name="__main__")
+"""
 
 
 def test_failed_save_removes_its_tag_and_keeps_latest(world, tmp_path):
@@ -232,9 +247,7 @@ def test_failed_save_removes_its_tag_and_keeps_latest(world, tmp_path):
             "--log-every", "1", "--max-steps", "4"]
     check(run_app(*args, "--stop-at-step", "2"))
     ckpt = run / "checkpoints"
-    proc = subprocess.run([sys.executable, "-m", "app", *map(str, args)], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=600,
-                          preexec_fn=_file_size_limit(1 << 20))
+    proc = python("-c", FILE_SIZE_LIMITED_APP, 1 << 20, *args)
     proc_one_line(proc, "checkpoint global_step4 not saved", str(ckpt / "global_step4"),
                   "`latest` still names global_step2")
     assert not (ckpt / "global_step4").exists()

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check, run_app, train_losses
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (
@@ -27,6 +26,7 @@ from app.models.presets import attention_dropout, build_config
 from app.plan.command import add_arguments as plan_arguments
 from app.runtime.device import Device, choose_attention, flex_backward, flex_compiled, flex_why
 from data_tools.errors import UserError
+from tests.helpers import check, run_app, train_losses
 
 CPU = Device(name="cpu", backend="gloo", pin_memory=False, bf16_supported=True,
              fp16_supported=False)

@@ -23,11 +23,14 @@ from tests.helpers import REPO, TINY, check, clean_env, python, remanifest, run_
 # Every test that trains is marked slow; the bf16 fixture's three runs are the first to need
 # DeepSpeed's fused Adam, which a fresh machine builds (minutes) inside that fixture.
 SLOW = pytest.mark.slow
+# The bf16 runs' steps: what the tests read is there after one update (masters off the bf16 grid,
+# the engines' dtypes, the export and its check); a bf16 step is ~0.35 CPU-s here, 10 were 3 s a run
+STEPS = 2
 
 
 @pytest.fixture(scope="module")
 def bf16_runs(mlm_dataset, tmp_path_factory):
-    """10 bf16 steps of bert-tiny at ZeRO-0, 1 and 3 (one rank each), each exported: ZeRO-0
+    """STEPS bf16 steps of bert-tiny at ZeRO-0, 1 and 3 (one rank each), each exported: ZeRO-0
     keeps its masters flat, ZeRO-1 in BF16_Optimizer partitions, ZeRO-3 in ZeRO's own."""
     root = tmp_path_factory.mktemp("bf16")
     runs = {}
@@ -38,7 +41,7 @@ def bf16_runs(mlm_dataset, tmp_path_factory):
         ds["optimizer"]["params"]["torch_adam"] = False
         (root / f"zero{zero}.json").write_text(json.dumps(ds))
         proc = check(run_app("train", "--data", mlm_dataset, "--out", run, *TINY,
-                             "--micro-batch", "8", "--max-steps", "10", "--precision", "bf16",
+                             "--micro-batch", "8", "--max-steps", str(STEPS), "--precision", "bf16",
                              "--ds-config", root / f"zero{zero}.json"))
         check(run_app("export", run, "--out", root / f"hf{zero}"))
         runs[zero] = (run, root / f"hf{zero}", proc.stderr)
@@ -53,7 +56,7 @@ def _exported(hf: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(1200)
 def test_bf16_zero0_exports_the_fp32_masters(bf16_runs):
     run, hf, _ = bf16_runs[0]
-    tag = run / "checkpoints" / "global_step10"
+    tag = run / "checkpoints" / f"global_step{STEPS}"
     saved = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu",
                        weights_only=False)
     flat = saved["optimizer"]["fp32_groups_flat"]  # DeepSpeed keeps the masters flattened
@@ -70,7 +73,7 @@ def test_bf16_zero0_exports_the_fp32_masters(bf16_runs):
 @pytest.mark.timeout(1200)
 def test_bf16_zero1_exports_the_fp32_masters(bf16_runs):
     run, hf, _ = bf16_runs[1]
-    tag = run / "checkpoints" / "global_step10"
+    tag = run / "checkpoints" / f"global_step{STEPS}"
     part = torch.load(next(tag.glob("bf16_zero_pp_rank_0_*optim_states.pt")),
                       map_location="cpu", weights_only=False)["optimizer_state_dict"]
     groups = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu",
@@ -110,7 +113,7 @@ def test_the_export_check_still_catches_a_wrong_weight(bf16_runs, tmp_path):
     import shutil
 
     run = Path(shutil.copytree(bf16_runs[0][0], tmp_path / "run"))
-    path = run / "checkpoints" / "global_step10" / "mp_rank_00_model_states.pt"
+    path = run / "checkpoints" / f"global_step{STEPS}" / "mp_rank_00_model_states.pt"
     saved = torch.load(path, map_location="cpu", weights_only=False)
     with torch.no_grad():  # the masters read at a wrong offset, as an unflattening bug would
         flat = saved["optimizer"]["fp32_groups_flat"][0]
@@ -187,34 +190,26 @@ def test_a_skipped_step_keeps_the_schedule_on_the_step_counter(mlm_dataset, tmp_
 @SLOW
 def test_staging_happens_before_the_process_group(mlm_dataset, tmp_path):
     """A copy may take longer than any collective's timeout: it runs before the group exists."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import importlib.abc, importlib.util, json, os, sys\n"
-        "class Spy(importlib.abc.MetaPathFinder):  # notes whether the group exists at stage()\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name != 'data_tools.stage':\n"
-        "            return None\n"
-        "        sys.meta_path.remove(self)\n"
-        "        spec = importlib.util.find_spec(name)\n"
-        "        load = spec.loader.exec_module\n"
-        "        def exec_module(module):\n"
-        "            load(module)\n"
-        "            real = module.stage\n"
-        "            def stage(*a, **k):\n"
-        "                import torch.distributed as dist\n"
-        "                with open(os.environ['STAGE_LOG'], 'a') as f:\n"
-        "                    f.write(json.dumps(dist.is_initialized()) + '\\n')\n"
-        "                return real(*a, **k)\n"
-        "            module.stage = stage\n"
-        "        spec.loader.exec_module = exec_module\n"
-        "        return spec\n"
-        "sys.meta_path.insert(0, Spy())\n")
+    # the spy wraps stage() in the run's own process, a fork of the warm process (a
+    # sitecustomize on PYTHONPATH needed a fresh interpreter: ~8 CPU-s of imports); app.build
+    # imports stage() when it stages, so it finds the spy's
+    spy = ("import json, os, sys\n"
+           "import torch.distributed as dist\n"
+           "import data_tools.stage as staging\n"
+           "real = staging.stage\n"
+           "def stage(*a, **k):  # notes whether the group exists at stage()\n"
+           "    with open(os.environ['STAGE_LOG'], 'a') as f:\n"
+           "        f.write(json.dumps(dist.is_initialized()) + '\\n')\n"
+           "    return real(*a, **k)\n"
+           "staging.stage = stage\n"
+           "from app.faults import preemption\n"
+           "preemption.catch()  # the stop handlers `python -m app train` installs first\n"
+           "from app.__main__ import main\n"
+           "sys.exit(main())  # as `python -m app ARGS`: its argv from sys.argv\n")
     log = tmp_path / "stage.log"
-    env = clean_env(PYTHONPATH=f"{hook}{os.pathsep}{REPO}", STAGE_LOG=str(log))
-    check(run_app("train", "--data", mlm_dataset, "--out", tmp_path / "run", *TINY,
-                  "--max-steps", "2", "--stage-to", tmp_path / "local", "--dist-timeout", "5",
-                  env=env))
+    check(python("-c", spy, "train", "--data", mlm_dataset, "--out", tmp_path / "run", *TINY,
+                 "--max-steps", "2", "--stage-to", tmp_path / "local", "--dist-timeout", "5",
+                 env=clean_env(STAGE_LOG=str(log))))
     assert log.read_text().split() == ["false"]
     assert (tmp_path / "local" / "dataset.json").is_file()
 

@@ -511,7 +511,9 @@ if [ "$multi" = 0 ] && [ "$no_ssh" = 0 ] && [ -z "$master_port" ]; then
 fi
 
 # -------------------------------------------------------------------------------- the command
-cmd=("$py_exe" -m deepspeed.launcher.runner)
+# DeepSpeed's runner (`deepspeed`): its own main() and arguments, started with the collector paused
+# for its imports (app/runtime/runner.py: ~0.6 CPU-s less a job)
+cmd=("$py_exe" -m app.runtime.runner)
 [ -z "$hostfile" ] || cmd+=(--hostfile "$hostfile")
 [ -z "$nodes" ] || cmd+=(--num_nodes "$nodes")
 [ -z "$ppn" ] || cmd+=(--num_gpus "$ppn")

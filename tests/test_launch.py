@@ -43,7 +43,7 @@ def test_dry_run_builds_the_deepspeed_command(tmp_path):
                "--data", "/lustre/ds", "--out", "run dir")
     assert r.returncode == 0, r.stderr
     cmd = shlex.split(r.stdout)
-    assert cmd[1:3] == ["-m", "deepspeed.launcher.runner"]
+    assert cmd[1:3] == ["-m", "app.runtime.runner"]  # DeepSpeed's runner, collector paused
     for flag, value in [("--hostfile", str(hosts)), ("--num_nodes", "2"), ("--num_gpus", "8"),
                         ("--master_port", "29600"), ("--master_addr", "node1")]:
         assert cmd[cmd.index(flag) + 1] == value

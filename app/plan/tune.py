@@ -210,7 +210,7 @@ def probe_command(flags: list[str], ranks: int, port: int) -> list[str]:
     """`python -m app train FLAGS`, through the deepspeed launcher for more than one rank."""
     if ranks == 1:
         return [sys.executable, "-m", "app", "train", *flags]
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
+    return [sys.executable, "-m", "app.runtime.runner", "--num_gpus", str(ranks),
             "--master_port", str(port), "--no_local_rank", "--module", "app", "train", *flags]
 
 

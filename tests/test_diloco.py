@@ -12,8 +12,9 @@ import torch
 
 from tests.helpers import TINY, check, launch, metrics, run_app, train_losses, two_gloo_ranks
 
+# the end-of-run eval at 8 samples (TINY's 16): no test here reads it
 COMMON = [*TINY, "--model", "bert-tiny", "--seed", "3", "--log-every", "1", "--eval-every", "0",
-          "--dropout", "0"]
+          "--dropout", "0", "--eval-samples", "8"]
 DILOCO = ["--dp-mode", "diloco", "--outer-every", "3", "--island-ranks", "1"]
 
 
@@ -98,11 +99,13 @@ def test_the_run_records_its_mode_and_what_crossed_islands(straight):
 @pytest.mark.multirank
 def test_islands_of_two_ranks_train_at_zero2_in_bf16(mlm_dataset, tmp_path):
     """Four ranks as two islands of two (DeepSpeed's data-parallel world: the island), ZeRO-2 in
-    bf16: trains, and the final export (the last step syncs) loads."""
+    bf16: trains, and the final export (the last step syncs) loads. 32 tokens a sample: bf16
+    steps on CPU cost by their tokens, and nothing here reads more than that the losses are
+    finite."""
     out = tmp_path / "run"
     check(train(mlm_dataset, out, "--dp-mode", "diloco", "--outer-every", "2",
                 "--island-ranks", "2", "--zero", "2", "--precision", "bf16", "--max-steps", "4",
-                procs=4))
+                "--seq-len", "32", procs=4))
     losses = train_losses(out)
     assert sorted(losses) == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(list(
         losses.values()))))

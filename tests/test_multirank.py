@@ -16,9 +16,10 @@ from tests.helpers import TINY, check, error_lines, launch, metrics, run_app, tr
 pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS = 4
-# global batch 16 = micro 4 x grad-accum 2 x 2 ranks; dropout 0 so world sizes compare
+# global batch 16 = micro 4 x grad-accum 2 x 2 ranks; dropout 0 so world sizes compare; evals
+# of 8 samples (TINY's 16): no test here reads them
 COMMON = [*TINY, "--max-steps", str(STEPS), "--log-every", "1", "--grad-accum", "2",
-          "--dropout", "0", "--eval-samples", "16"]
+          "--dropout", "0", "--eval-samples", "8"]
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,8 @@ def test_one_host_hostfile_trains_on_this_box(tmp_path, mlm_dataset):
     hosts.write_text("localhost slots=1\n")
     out = tmp_path / "run"
     r = subprocess.run(["bash", str(LAUNCH), "--hostfile", str(hosts), "--", "--data",
-                        str(mlm_dataset), "--out", str(out), *TINY, "--max-steps", "2"],
+                        str(mlm_dataset), "--out", str(out), *TINY, "--max-steps", "2",
+                        "--eval-samples", "8"],  # the eval: not read
                        capture_output=True, text=True, timeout=300, env=clean_env())
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr

@@ -60,10 +60,12 @@ def test_init_from_starts_near_the_exports_loss_and_refuses_a_mismatch(
     check(run_app("export", source, "--out", hf))
     eval_loss = [r["eval/loss"] for r in metrics(source) if "eval/loss" in r][-1]
     # the first loss over 4 micro batches of 16 against the eval loss over 64 samples: one micro
-    # batch of 4 alone differs from it by 10 % now and then (masking and sampling noise)
+    # batch of 4 alone differs from it by 10 % now and then (masking and sampling noise). One
+    # step (64 samples, 16 of TINY's steps): only its loss, taken before any update, is read;
+    # nor is its end-of-run eval (8 samples)
     proc = check(run_app("train", "--data", mlm_dataset, "--out", warm, *TINY, "--init-from",
-                         hf, "--seed", "8", "--max-steps", "2", "--log-every", "1", "--lr", "1e-5",
-                         "--micro-batch", "16", "--grad-accum", "4"))
+                         hf, "--seed", "8", "--max-steps", "1", "--log-every", "1", "--lr", "1e-5",
+                         "--micro-batch", "16", "--grad-accum", "4", "--eval-samples", "8"))
     assert "init: weights from" in proc.stderr and "fresh optimizer" in proc.stderr
     first = train_rows(warm)[0]
     vocab = json.loads((mlm_dataset / "dataset.json").read_text())["vocab_size"]
@@ -73,7 +75,7 @@ def test_init_from_starts_near_the_exports_loss_and_refuses_a_mismatch(
     # vocabulary, which the export drops): the same weights, about the same first loss
     check(run_app("train", "--data", mlm_dataset, "--out", tmp_path / "warm2", *TINY,
                   "--init-from", source, "--seed", "8", "--max-steps", "1", "--lr", "1e-5",
-                  "--micro-batch", "16", "--grad-accum", "4"))
+                  "--micro-batch", "16", "--grad-accum", "4", "--eval-samples", "8"))
     assert train_rows(tmp_path / "warm2")[0]["train/loss"] == pytest.approx(first["train/loss"],
                                                                             rel=0.01)
     # another geometry, another tokenizer, ZeRO-3: one line each, nothing trained
@@ -94,7 +96,8 @@ def test_init_from_starts_near_the_exports_loss_and_refuses_a_mismatch(
 @pytest.mark.slow
 def test_wsd_holds_the_peak_and_resumes_exactly(mlm_dataset, tmp_path):
     flags = [*TINY, "--max-steps", "12", "--log-every", "1", "--lr", "1e-3", "--lr-decay", "wsd",
-             "--decay-fraction", "0.25", "--warmup-steps", "2", "--dropout", "0"]
+             "--decay-fraction", "0.25", "--warmup-steps", "2", "--dropout", "0",
+             "--eval-samples", "8"]  # the evals: not read
     whole, split = tmp_path / "whole", tmp_path / "split"
     check(run_app("train", "--data", mlm_dataset, "--out", whole, *flags))
     check(run_app("train", "--data", mlm_dataset, "--out", split, *flags, "--stop-at-step", "6"))
@@ -123,7 +126,7 @@ def test_phase_position_maps_window_tokens_and_keeps_documents():
 @pytest.mark.slow
 def test_a_sequence_length_phase_continues_the_run(mlm_dataset, tmp_path):
     run = tmp_path / "run"
-    flags = ["--data", mlm_dataset, "--out", run, "--micro-batch", "4", "--eval-samples", "16",
+    flags = ["--data", mlm_dataset, "--out", run, "--micro-batch", "4", "--eval-samples", "8",
              "--wandb", "disabled", "--num-workers", "0", "--max-steps", "8", "--log-every", "1",
              "--save-every", "2"]
     check(run_app("train", *flags, "--seq-len", "32", "--stop-at-step", "5"))

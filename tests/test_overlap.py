@@ -26,9 +26,10 @@ from data_tools.errors import UserError
 from tests.helpers import TINY, check, launch, metrics, train_losses, two_gloo_ranks
 
 STEPS = 3
-# 2 ranks x micro 4 x grad accum 2; dropout 0 so the two paths compare step by step
+# 2 ranks x micro 4 x grad accum 2; dropout 0 so the two paths compare step by step; the
+# end-of-run eval at 8 samples (TINY's 16): no test here reads it
 COMMON = [*TINY, "--max-steps", str(STEPS), "--log-every", "1", "--grad-accum", "2",
-          "--dropout", "0", "--eval-every", "0", "--save-every", "0"]
+          "--dropout", "0", "--eval-every", "0", "--save-every", "0", "--eval-samples", "8"]
 
 
 def test_buckets_follow_backward_order_and_scale_with_the_model():
@@ -211,12 +212,16 @@ def _in_flight_during_backward(step: dict) -> list[int]:
             if kind == "launch" and i < last_ready < end < events.index(("done", b))]
 
 
+# bf16 at 32 tokens a sample (bf16 steps on CPU cost by their tokens): the buckets are the
+# parameters', and a shorter backward leaves them no less in flight
+BF16_32 = ["--precision", "bf16", "--seq-len", "32"]
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("stage,extra,mode", [
-    (0, [], {}), (1, [], {}), (1, ["--precision", "bf16"], {"all_reduce": True}),
-    (1, ["--precision", "bf16"], {"clip": False})],
+    (0, [], {}), (1, [], {}), (1, BF16_32, {"all_reduce": True}), (1, BF16_32, {"clip": False})],
     ids=["zero0", "zero1-scatter", "zero1-bf16-all-reduce", "zero1-bf16-scatter-noclip"])
 def test_buckets_are_in_flight_while_backward_runs_and_train_the_same_losses(
         stage, extra, mode, mlm_dataset, tmp_path, monkeypatch):
@@ -317,9 +322,13 @@ def test_muon_at_zero1_all_reduces_whole_gradients(mlm_dataset, tmp_path, monkey
     reduced, part this rank's own): ZeRO-1 with Muon keeps the all-reduce reducer, says so, and
     trains DeepSpeed's own reduction's losses."""
     muon = {"type": "Muon", "params": {"lr": "auto", "weight_decay": "auto"}}
+    # every matrix 128 x 128 (bert-tiny's feed-forward ones are 128 x 512 and 512 x 128): each
+    # rank torch.compiles DeepSpeed's Newton-Schulz once, not again for each of the other two
+    # shapes (~1 CPU-s a rank); both sides alike
+    square = ("--model-arg", "intermediate_size=128")
     overlapped, reference = tmp_path / "overlapped", tmp_path / "deepspeed"
-    _run(mlm_dataset, overlapped, 1, monkeypatch, optimizer=muon)
-    _run(mlm_dataset, reference, 1, monkeypatch, optimizer=muon, overlap=False)
+    _run(mlm_dataset, overlapped, 1, monkeypatch, *square, optimizer=muon)
+    _run(mlm_dataset, reference, 1, monkeypatch, *square, optimizer=muon, overlap=False)
     engine = json.loads((overlapped / "config.json").read_text())["engine"]
     assert "during backward" in engine["grad_reduction"]
     assert "reduce-scattered" not in engine["grad_reduction"], engine["grad_reduction"]

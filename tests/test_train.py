@@ -64,7 +64,8 @@ def test_run_directory_follows_the_design(mlm_run, mlm_dataset):
 def test_resume_continues_exactly(mlm_dataset, tmp_path):
     """N steps straight vs N/2, stop, resume: same per-step losses (dropout on: RNG restored)."""
     common = ["--data", mlm_dataset, *TINY, "--max-steps", "6", "--grad-accum", "2",
-              "--dropout", "0.1", "--log-every", "1", "--eval-every", "2", "--num-workers", "1"]
+              "--dropout", "0.1", "--log-every", "1", "--eval-every", "2", "--num-workers", "1",
+              "--eval-samples", "8"]  # the evals are in the resumed path, not read
     check(run_app("train", *common, "--out", tmp_path / "straight"))
     check(run_app("train", *common, "--out", tmp_path / "split", "--stop-at-step", "3"))
     assert max(train_losses(tmp_path / "split")) == 3
@@ -100,7 +101,8 @@ def test_a_resume_applies_a_changed_lr_and_refuses_an_optimizer_setting(mlm_data
     while config.json recorded the new value. The schedule's settings apply from the first
     step, said in a line; the optimizer's own settings (its state carries them) are refused."""
     common = ["--data", mlm_dataset, *TINY, "--max-steps", "6", "--log-every", "1",
-              "--warmup-steps", "0", "--lr-decay", "constant", "--lr", "1e-3"]
+              "--warmup-steps", "0", "--lr-decay", "constant", "--lr", "1e-3",
+              "--eval-samples", "8"]  # the end-of-run eval: not read
     run, other = tmp_path / "run", tmp_path / "other"
     check(run_app("train", *common, "--out", run, "--stop-at-step", "3"))
     shutil.copytree(run, other)

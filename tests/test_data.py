@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import deepspeed_script
 
 from app.data.loader import (
     BatchLayout,
@@ -24,6 +23,7 @@ from app.data.order import Permutation
 from data_tools.errors import UserError
 from data_tools.indexed import ShardWriter, token_dtype
 from data_tools.manifest import FORMAT, FORMAT_VERSION, file_checksum, load_manifest, write_manifest
+from tests.helpers import deepspeed_script
 
 VOCAB = 500
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4

@@ -202,3 +202,14 @@ def test_the_cycle_check_sees_a_lazy_cycle_and_names_its_imports(tmp_path, monke
         "\n  app/c.py:1: imports app.a"]
     (pkg / "c.py").write_text("import os\n")
     assert cycle_report(modules()) == []
+
+
+def test_the_tests_import_their_helpers_as_one_module():
+    """`from helpers import ...` loads tests/helpers.py a second time, as another module (tests/
+    is on sys.path too): with its own warm process, ~9 CPU-s more in a worker that already has
+    one (tests/README.md, "The warm process")."""
+    bare = {"helpers", "zygote", "conftest"}
+    found = [f"{path.relative_to(REPO)}:{line}: imports {name}"
+             for path in sorted((REPO / "tests").glob("*.py"))
+             for line, name in imports(path) if name.split(".")[0] in bare]
+    assert not found, "import them as tests.helpers, tests.zygote:\n" + "\n".join(found)

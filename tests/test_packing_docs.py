@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check, deepspeed_script, run_app, train_losses
 from test_data import CLS, PAD, SEP, random_docs, write_dataset
 from transformers import AttentionInterface
 
@@ -37,6 +36,7 @@ from app.telemetry import figures as telemetry
 from app.telemetry import flops
 from app.trainer import EvalSet, eval_figures, real_tokens, token_sums
 from data_tools.errors import UserError
+from tests.helpers import check, deepspeed_script, run_app, train_losses
 
 SEQ = 64
 

@@ -258,17 +258,21 @@ def tagged_pids(name: str, value: str) -> list[int]:
 
 
 def kill_tagged(name: str, value: str, wait: float = 10.0) -> list[int]:
-    """SIGKILL every process `tagged_pids` finds and wait until they are gone; their pids."""
-    pids = tagged_pids(name, value)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """SIGKILL every process `tagged_pids` finds until a look finds none (or `wait` s pass); the
+    pids killed. Each look kills what it finds: a process killed while it forked (launch.sh
+    starting DeepSpeed's runner) leaves a child the look before missed, which would go on."""
+    killed: list[int] = []
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and tagged_pids(name, value):
+    while (pids := tagged_pids(name, value)) and time.monotonic() < deadline:
+        for pid in pids:
+            if pid not in killed:
+                killed.append(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.05)
-    return pids
+    return killed
 
 
 def remove_shm_buffers(port: int, shm_dir: Path = Path("/dev/shm")) -> None:

@@ -398,22 +398,9 @@ def run(args: argparse.Namespace) -> int:
             lock.close()
 
 
-def stop_left_over(out: Path, rounds: int = 3) -> list[int]:
-    """Kill what a killed sweep into `out` left running; their pids. Again while a look finds
-    more: a launcher killed while it forked (launch.sh starting DeepSpeed's runner) leaves a
-    child the first look missed, which would go on and run the configuration on its own."""
-    stopped: list[int] = []
-    for _ in range(rounds):
-        found = kill_tagged(TAG, str(out.resolve()))
-        if not found:
-            break
-        stopped += found
-    return stopped
-
-
 def sweep_all(args: argparse.Namespace, configs: list[Config], identity: dict[str, Any],
               out: Path) -> int:
-    left_over = stop_left_over(out)
+    left_over = kill_tagged(TAG, str(out.resolve()))
     if left_over:
         print(f"stopped {len(left_over)} process(es) an interrupted sweep into {out} left "
               f"running", file=sys.stderr, flush=True)

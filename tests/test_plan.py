@@ -50,6 +50,7 @@ from app.plan.request import PlanRequest
 from app.runtime.dist import free_port
 from data_tools.manifest import load_manifest
 from tests.helpers import REPO, clean_env
+from tests.zygote import launcher_env
 
 # -- DeepSpeed's estimators, where they overlap -------------------------------------------------
 
@@ -335,9 +336,7 @@ def measured_peak(dataset, out: Path, preset: str, zero: int, ranks: int, seq: i
     def env(rank: int) -> dict[str, str]:
         if ranks == 1:
             return clean_env()
-        return clean_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                         LOCAL_SIZE=str(ranks), CROSS_RANK="0", CROSS_SIZE="1",
-                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return clean_env(**launcher_env(rank, ranks, port))
 
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(ranks)]

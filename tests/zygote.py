@@ -40,6 +40,13 @@ IMPORT_TIME_ENV = ("PYTHONPATH", "DSPRETRAIN_ZERO2_PENDING", "HF_HUB_OFFLINE",
 GRACE_S = 30.0  # DeepSpeed's launcher: SIGTERM to the other ranks, SIGKILL after 30 s
 
 
+def launcher_env(rank: int, ranks: int, port: int) -> dict[str, str]:
+    """What DeepSpeed's launch.py gives rank `rank` of `ranks` on one node (env:// rendezvous)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+            "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def preload() -> None:
     """What every `python -m app` run imports (the heavy part of its start). Muon's module:
     DeepSpeed's optimizer check imports it in every ZeRO engine's build (torch.compile,
@@ -75,19 +82,37 @@ def preload() -> None:
     gc.freeze()
 
 
+# DeepSpeed's ops the CPU runs load: the shared-memory collectives (every multi-rank run:
+# app.runtime.dist) and fused Adam (the runs in bf16)
+CPU_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder")
+
+
+def build_cpu_ops() -> None:
+    """Build CPU_OPS where the runs are on CPU: tests/run.sh calls it with the install, once per
+    environment. Each is JIT-built once per installation (app/runtime/ops.py), ~1-2 min of a core;
+    not built, the first run that needs one built it while the others waited on its lock, and
+    every fork loaded it itself (below): in a fresh virtualenv, inside the timed suite."""
+    from app.runtime import ops
+    from app.runtime.device import accelerator
+
+    if accelerator().device_name() == "cpu":
+        for name in CPU_OPS:
+            ops.load_op(name)
+
+
 def _load_built_ops() -> None:
-    """DeepSpeed's ops the CPU runs load, where they are built already: the shared-memory
-    collectives (every run: app.runtime.dist) and fused Adam (the runs in bf16). Loading one
-    checks its build and asks cpuinfo twice in subprocesses, ~2 s a process; DeepSpeed keeps a
-    loaded op for the process (OpBuilder._loaded_ops), so every fork finds them loaded. One not
-    built yet (a fresh machine): the first run that needs it builds it, as before."""
+    """CPU_OPS, where they are built already. Loading one checks its build and asks cpuinfo
+    twice in subprocesses, ~2 s a process; DeepSpeed keeps a loaded op for the process
+    (OpBuilder._loaded_ops), so every fork finds them loaded. One not built yet (a machine whose
+    set-up did not build them: build_cpu_ops): the first run that needs it builds it, and every
+    fork loads it again."""
     from torch.utils.cpp_extension import _get_build_directory
 
     from app.runtime import ops
     from app.runtime.device import accelerator
 
     ops._own_extensions_dir()
-    for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+    for name in CPU_OPS:
         builder = accelerator().create_op_builder(name)
         if builder is None:
             continue
@@ -111,10 +136,8 @@ def _child(req: dict, rank: int, ranks: int, port: int, out: str, err: str) -> N
             signal.signal(s, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(req["env"])
-        if req.get("launcher"):  # what DeepSpeed's launch.py gives each rank
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                              LOCAL_SIZE=str(ranks), CROSS_RANK="0", CROSS_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if req.get("launcher"):
+            os.environ.update(launcher_env(rank, ranks, port))
         os.chdir(req["cwd"])
         _python(req["argvs"][rank])
         code = 0

@@ -35,6 +35,10 @@ stamp="$(python -c 'import sys; print(sys.prefix)')/.dspretrain-tests-installed"
 want="$PWD $(cat setup.cfg pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -m pip install -q -c constraints.txt -e ".[dev]"
+  # DeepSpeed's CPU ops the runs load, JIT-built once per installation (~1-2 min each): here,
+  # with the install, not inside the suite by its first run that needs one (tests/zygote.py)
+  python -c "from tests.zygote import build_cpu_ops; build_cpu_ops()" >/dev/null 2>&1 ||
+    echo "tests/run.sh: DeepSpeed's CPU ops not built now; the first runs that need them will" >&2
   echo "$want" 2>/dev/null > "$stamp" || true
 fi
 # Lint and types first: seconds, and a failure there says more than a test would.

@@ -9,7 +9,8 @@
 # for launch.sh over real ssh to loopback addresses, `ip` for those addresses) and shellcheck, which
 # lints launch.sh and bench/gpu_check.sh (apt-get: root, or sudo); torch's CPU build where no torch
 # is installed (a GPU machine keeps its own CUDA build); the project with its dev extra at the
-# versions the tests passed with (constraints.txt). .ci/run calls this script; so can anyone.
+# versions the tests passed with (constraints.txt), and with it DeepSpeed's CPU ops the runs load
+# (built once per installation). .ci/run calls this script; so can anyone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1

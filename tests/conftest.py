@@ -4,7 +4,13 @@ seconds; tests that change data make their own copies."""
 from __future__ import annotations
 
 import os
+import sys
 
+# pytest keeps the test modules it rewrote for their asserts as .pyc files beside them, unless
+# the environment says never to write bytecode (PYTHONDONTWRITEBYTECODE, set by some container
+# images, this box's too): then every collecting process (each pytest-xdist worker, each run)
+# parses and rewrites the ~190 modules again, ~5 CPU-s of the ~15 a collection takes here.
+sys.dont_write_bytecode = False
 # Before anything imports wandb, transformers or tokenizers.
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ["HF_HUB_OFFLINE"] = "1"

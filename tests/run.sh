@@ -28,8 +28,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 shellcheck launch.sh bench/gpu_check.sh
-# An unpinned torch would pull the CUDA wheels; the CPU build is the one the tests ran with.
-python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
+# An unpinned torch would pull the CUDA wheels; the CPU build is the one the tests ran with. (Is
+# it there: find_spec, not an import of torch, ~2 s here.)
+python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)" ||
+  python -m pip install -q torch==2.13.0
 # The project, once per environment and checkout while setup.cfg, pyproject.toml and constraints.txt
 # stay as they were (pip takes ~11 s to find nothing to do): a stamp in the environment says which.
 stamp="$(python -c 'import sys; print(sys.prefix)')/.dspretrain-tests-installed"

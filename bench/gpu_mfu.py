@@ -620,11 +620,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     app_seconds = sum(blocks["app"]) * block / 1000
     syncs = sync_sites(sides["app"], trainer, 2 * block, block, gpu)
     out = Path(spec["out"])
+    result = figures(spec, blocks, trainer.shape)
     busy = {name: profile_steps(step, spec["profile_steps"], synchronize,
                                 out / f"trace-{spec['model']}-{name}.json",
-                                statistics.median(blocks[name]))
+                                result[name]["ms_per_step"])
             for name, step in sides.items()}
-    result = figures(spec, blocks, trainer.shape)
     result.update(data_wait_pct=100 * timed_wait / app_seconds, data_wait_steps=[first + 1, last],
                   logged_data_wait_pct=logged_wait(spec["run"], first, last, block),
                   compile=bool(spec.get("compile")), syncs=syncs, busy=busy,

@@ -17,8 +17,10 @@ LR schedule and clipping at 1.0, and a `.item()` every `--log-every` steps as th
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -74,7 +76,9 @@ def main() -> None:
     args.num_workers, args.dropout, args.seed = 0, None, 0
     steps = 2 * args.block * args.rounds + 20
     os.environ.setdefault("WANDB_MODE", "disabled")
-    out = Path(tempfile.mkdtemp(prefix="bench_step_")) / "run"
+    scratch = tempfile.mkdtemp(prefix="bench_step_")
+    atexit.register(shutil.rmtree, scratch, True)  # the throwaway run: nothing left in /tmp
+    out = Path(scratch) / "run"
     out.mkdir()
     cfg = TrainConfig(data=args.data, out=out, model=args.model, objective=args.objective,
                       seq_len=args.seq_len, micro_batch=args.micro_batch, max_steps=steps,

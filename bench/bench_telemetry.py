@@ -21,8 +21,10 @@ same host microseconds.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -64,7 +66,9 @@ def main() -> int:
     ap.add_argument("--log-every", type=int, default=10)
     args = ap.parse_args()
 
-    out = Path(tempfile.mkdtemp(prefix="bench_telemetry_")) / "run"
+    scratch = tempfile.mkdtemp(prefix="bench_telemetry_")
+    atexit.register(shutil.rmtree, scratch, True)  # the throwaway run: nothing left in /tmp
+    out = Path(scratch) / "run"
     out.mkdir()
     cfg = TrainConfig(data=args.data, out=out, model=args.model, seq_len=args.seq_len,
                       micro_batch=args.micro_batch, grad_accum=args.grad_accum,

@@ -24,6 +24,7 @@ import atexit
 import gc
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -335,6 +336,7 @@ class Client:
             except (OSError, Exception):
                 self.proc.kill()
         self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)  # its socket and log: nothing left in /tmp
 
 
 if __name__ == "__main__":

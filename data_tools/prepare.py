@@ -24,6 +24,7 @@ import argparse
 import math
 import multiprocessing
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -177,10 +178,40 @@ def _init_worker(backend_json: str, eod: int, dtype: str, parent: int) -> None:
 
 def _exit_with_parent(parent: int) -> None:
     """A SIGKILLed parent (preemption) never closes the executor's queues: without this its
-    workers would live on, each holding a tokenizer."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
+    workers would live on, each holding a tokenizer. The parent is `prepare`'s process, not the
+    worker's own (the fork server's: `_pool_context`): waited on through a pidfd where the kernel
+    has them (Linux 5.3+), else polled."""
+    try:
+        fd = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # no pidfd (or the parent is gone already)
+        while _alive(parent):
+            time.sleep(1.0)
+    else:
+        select.select([fd], [], [])  # readable once the parent has exited
     os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, but another user's: our parent's pid reused
+        return False
+    return True
+
+
+def _pool_context() -> Any:
+    """The workers' start method: a fork server where the platform has one (Linux, macOS), which
+    imports this module once and forks each worker from that clean, single-threaded process;
+    else spawn. Never a fork of this process: it has threads (tqdm, tokenizers), and a fork
+    copies the locks they hold. A spawned worker imports numpy and tokenizers itself (~0.6 CPU-s
+    each); a process that prepares several times (the tests, a script) starts the server once."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # read when the server starts; ignored after
+    return ctx
 
 
 def encode_batch(texts: list[str], lasts: list[bool]) -> tuple[np.ndarray, np.ndarray]:
@@ -279,9 +310,9 @@ class Preparer:
         workers = self.cfg.workers
         init = (self.tok.backend_json, self.tok.eod_token_id, self.tok.dtype.name, os.getpid())
         inflight: deque = deque()
-        # spawn: no fork after threads (tqdm, tokenizers); an executor, unlike Pool, reports a
-        # worker killed by the OOM killer instead of waiting for its result forever.
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+        # an executor, unlike Pool, reports a worker killed by the OOM killer instead of
+        # waiting for its result forever
+        pool = ProcessPoolExecutor(workers, mp_context=_pool_context(),
                                    initializer=_init_worker, initargs=init)
         try:
             batches = self.corpus.batches(self.cfg.batch_chars, start=self.position)

@@ -50,16 +50,19 @@ def wait_for_shards(out: Path, n: int, proc: subprocess.Popen) -> None:
         time.sleep(0.01)
 
 
-def children(pid: int) -> list[int]:
-    kids = []
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: prepare's tokenizer workers are its fork server's children."""
+    parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    below, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, pp in parents.items() if pp in frontier]
+        below += frontier
+    return below
 
 
 def completed(out: Path) -> dict[str, tuple[int, int]]:
@@ -76,7 +79,8 @@ def test_sigkill_then_resume_is_byte_identical(job, tmp_path, capsys):
     out = tmp_path / "cut"
     proc = start(job, out, "--workers", "2", "--batch-chars", "4000")
     wait_for_shards(out, 4, proc)
-    workers = children(proc.pid)
+    workers = descendants(proc.pid)
+    assert len(workers) >= 2  # the two tokenizer workers (and the fork server)
     proc.kill()
     proc.wait()
     assert not (out / MANIFEST).exists() and (out / JOURNAL).exists()

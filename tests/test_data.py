@@ -23,7 +23,7 @@ from app.data.order import Permutation
 from data_tools.errors import UserError
 from data_tools.indexed import ShardWriter, token_dtype
 from data_tools.manifest import FORMAT, FORMAT_VERSION, file_checksum, load_manifest, write_manifest
-from tests.helpers import deepspeed_script
+from tests.helpers import script_ranks
 
 VOCAB = 500
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
@@ -467,13 +467,15 @@ del loader
 
 
 @pytest.mark.multirank
-def test_ranks_started_by_the_deepspeed_launcher_read_their_slices(small_dataset, tmp_path):
-    """Two real rank processes (each with a loader worker) together read the 1-rank stream."""
+def test_two_ranks_read_their_slices_of_the_one_rank_stream(small_dataset, tmp_path):
+    """Two real rank processes (each with a loader worker; forked with the environment DeepSpeed's
+    launcher gives its ranks: the slices are the subject, not the launcher) together read the
+    1-rank stream."""
     root, _ = small_dataset
     repo = str(Path(__file__).resolve().parent.parent)
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT.format(repo=repo, data=str(root), out=str(tmp_path)))
-    deepspeed_script(script, repo)
+    script_ranks(script, repo)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     one = take_batches(build_train_loader(spec(root, objective="mlm"), micro_batch=2,
                                           global_batch=8, dp_rank=0, dp_size=1,

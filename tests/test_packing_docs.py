@@ -36,7 +36,7 @@ from app.telemetry import figures as telemetry
 from app.telemetry import flops
 from app.trainer import EvalSet, eval_figures, real_tokens, token_sums
 from data_tools.errors import UserError
-from tests.helpers import check, deepspeed_script, run_app, train_losses
+from tests.helpers import check, run_app, script_ranks, train_losses
 
 SEQ = 64
 
@@ -291,13 +291,14 @@ del loader
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_two_ranks_read_the_one_rank_stream_of_windows(short_docs, tmp_path):
-    """Two real rank processes (the deepspeed launcher, a loader worker each) read together
-    exactly what one rank reads: a window is a sample, cut by ranks like any other."""
+    """Two real rank processes (a loader worker each; forked with the environment DeepSpeed's
+    launcher gives its ranks) read together exactly what one rank reads: a window is a sample,
+    cut by ranks like any other."""
     repo = str(Path(__file__).resolve().parent.parent)
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT.format(repo=repo, data=str(short_docs), seq=SEQ,
                                          out=str(tmp_path)))
-    deepspeed_script(script, repo)
+    script_ranks(script, repo)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     one = take(build_train_loader(spec(short_docs), micro_batch=2, global_batch=8, dp_rank=0,
                                   dp_size=1, consumed_samples=16, num_workers=0), 20)

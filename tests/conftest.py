@@ -3,9 +3,15 @@ through the real CLI, and datasets prepared with them. Small, so the session bui
 seconds; tests that change data make their own copies."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
+# Collection imports torch, DeepSpeed and transformers (~500k objects that live as long as the
+# worker): the automatic collections walking them while they are made, and again in every full
+# collection of the tests after, are pure cost. Off until collection ends, then what it made is
+# frozen out of the collector's way (pytest_collection_finish), as app/__main__.py does for a run.
+gc.disable()
 # pytest keeps the test modules it rewrote for their asserts as .pyc files beside them, unless
 # the environment says never to write bytecode (PYTHONDONTWRITEBYTECODE, set by some container
 # images, this box's too): then every collecting process (each pytest-xdist worker, each run)
@@ -72,6 +78,12 @@ def pytest_cmdline_main(config):
         config.option.numprocesses = workers
         if config.option.dist == "no":
             config.option.dist = "loadfile"
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+    gc.enable()
 
 
 @pytest.hookimpl(tryfirst=True)

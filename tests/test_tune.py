@@ -52,6 +52,9 @@ def test_search_finds_the_largest_within_tolerance(truth, guess, cap):
 def test_a_good_guess_takes_few_probes():
     assert search(181, 1024, 181)[0] == [1, 181, 204, 192]  # 1, the guess, +12.5%, bisect
     assert search(1000, 128, 900)[0] == [1, 128]  # the cap is below the guess: done
+    # a guess 15-20% low (a loaded CPU's noisy peaks): +12.5%, +25%, then bisect, where
+    # doubling went to 28 and took three bisections to come back (8 probes)
+    assert search(15, 64, 12)[0] == [1, 12, 14, 18, 16, 15]
 
 
 def test_nothing_fits():

@@ -49,6 +49,7 @@ PINNED = {"data", "model", "seq_len"}
 # Flags the written run flags leave out (tune's choices replace them; --out is the user's).
 OUTPUT_SKIP = {"out", "micro_batch", "num_workers", "zero", "ds_config", "local_rank"}
 SEARCH_TOLERANCE = 16  # stop bisecting when the gap is at most 1/16 of the largest that ran
+UP_FROM_GUESS = (1.125, 1.25, 1.5, 2.0)  # the steps up from a planner's guess that ran
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,11 @@ def next_micro_batch(ran: set[int], failed: set[int], cap: int, guess: int | Non
     """The next micro batch to probe, or None when the search is done. Pure.
 
     1 first (does it run at all; calibrates the planner), then the planner's `guess`. With no
-    failure yet: 12.5% up from a confirmed guess, else double; below a failed guess: down by
-    12.5%, then 25% steps (three at most); otherwise bisect (on a log scale while the bounds
-    are more than 2x apart). Done when nothing runs, at the cap, or when the gap is within
-    1/SEARCH_TOLERANCE.
+    failure yet: up from a confirmed guess by 12.5%, then 25%, 50%, then doubling (a planner
+    that is 20% low costs two probes more, not a double and three bisections back down), else
+    double; below a failed guess: down by 12.5%, then 25% steps (three at most); otherwise
+    bisect (on a log scale while the bounds are more than 2x apart). Done when nothing runs, at
+    the cap, or when the gap is within 1/SEARCH_TOLERANCE.
     """
     if not ran and not failed:
         return 1
@@ -92,7 +94,10 @@ def next_micro_batch(ran: set[int], failed: set[int], cap: int, guess: int | Non
     if guess is not None and lo < guess < hi and guess not in ran | failed:
         return guess
     if hi > cap:
-        return min(cap, max(lo + 1, math.ceil(lo * (1.125 if lo == guess else 2))))
+        factor = 2.0
+        if guess is not None and lo >= guess:  # the guess ran: how many steps above it so far
+            factor = UP_FROM_GUESS[min(sum(1 for m in ran if m > guess), len(UP_FROM_GUESS) - 1)]
+        return min(cap, max(lo + 1, math.ceil(lo * factor)))
     if guess is not None and lo == 1 and hi <= guess and len(failed) <= 3:  # step down
         down = int(hi * (0.875 if hi == guess else 0.75))
         if down > lo:

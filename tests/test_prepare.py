@@ -28,7 +28,7 @@ from data_tools.manifest import (
     shard_prefixes,
     tokenizer_fingerprint,
 )
-from data_tools.prepare import is_val
+from data_tools.prepare import _alive, is_val
 from tests.helpers import NO_CAPS, clean_env, default_sigint, tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,6 +126,15 @@ def test_megatron_dtype_code_reads_back_the_same(stdlib_dir, wordpiece_tokenizer
         assert prefix.with_suffix(".idx").read_bytes()[17] == 8  # after magic (9) + version (8)
         assert prefix.with_suffix(".bin").read_bytes() == (
             mlm_dataset / prefix.name).with_suffix(".bin").read_bytes()
+
+
+def test_a_worker_sees_its_parent_gone():
+    """Where there is no pidfd (macOS), a tokenizer worker polls its prepare process, whose pid is
+    not the worker's parent's (the fork server's): alive while it runs, gone once reaped."""
+    assert _alive(os.getpid())
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    assert not _alive(proc.pid)
 
 
 def test_split_rule():

@@ -194,9 +194,7 @@ def _exit_with_parent(parent: int) -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # there, but another user's: our parent's pid reused
+    except (ProcessLookupError, PermissionError):  # gone (or another user's: the pid reused)
         return False
     return True
 

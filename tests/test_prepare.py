@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from data_tools import prepare as prepare_module
 from data_tools.__main__ import main as data_tools_main
 from data_tools.indexed import IndexedShard
 from data_tools.manifest import (
@@ -135,6 +136,25 @@ def test_a_worker_sees_its_parent_gone():
     proc = subprocess.Popen(["true"])
     proc.wait()
     assert not _alive(proc.pid)
+    # without a pidfd, a worker whose prepare is gone exits at once, status 1 (in a fork: it ends
+    # the process it runs in)
+    child = os.fork()
+    if child == 0:
+        try:
+            del os.pidfd_open  # as on a platform without it
+            prepare_module._exit_with_parent(proc.pid)
+        finally:
+            os._exit(3)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 1
+
+
+def test_the_workers_start_from_a_fork_server_or_are_spawned(monkeypatch):
+    """Never forked from prepare's own process (its threads' locks): a fork server where the
+    platform has one, else spawn."""
+    assert prepare_module._pool_context().get_start_method() == "forkserver"
+    monkeypatch.setattr(prepare_module.multiprocessing, "get_all_start_methods",
+                        lambda: ["spawn"])
+    assert prepare_module._pool_context().get_start_method() == "spawn"
 
 
 def test_split_rule():

@@ -86,6 +86,13 @@ def pytest_collection_finish(session):
     gc.enable()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """pytest-xdist's controller never collects (its workers do): its collector goes back on."""
+    if config.pluginmanager.has_plugin("dsession"):
+        gc.enable()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """A test not marked slow may not train: any run it starts, its fixtures' included (a fork of

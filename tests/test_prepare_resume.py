@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from app.plan.probe import group_pids
 from data_tools.__main__ import main as data_tools_main
 from data_tools.manifest import MANIFEST, load_manifest
 from data_tools.resume import JOURNAL
@@ -40,7 +41,7 @@ def start(args: list, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "data_tools", "prepare", *map(str, args),
                              "--out", str(out), *extra],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_sigint)
+                            preexec_fn=default_sigint, start_new_session=True)
 
 
 def wait_for_shards(out: Path, n: int, proc: subprocess.Popen) -> None:
@@ -48,21 +49,6 @@ def wait_for_shards(out: Path, n: int, proc: subprocess.Popen) -> None:
     while len(list(out.glob("*.bin"))) < n and time.monotonic() < deadline:
         assert proc.poll() is None, "prepare finished before it could be interrupted"
         time.sleep(0.01)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`: prepare's tokenizer workers are its fork server's children."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    below, frontier = [], [pid]
-    while frontier:
-        frontier = [p for p, pp in parents.items() if pp in frontier]
-        below += frontier
-    return below
 
 
 def completed(out: Path) -> dict[str, tuple[int, int]]:
@@ -79,8 +65,9 @@ def test_sigkill_then_resume_is_byte_identical(job, tmp_path, capsys):
     out = tmp_path / "cut"
     proc = start(job, out, "--workers", "2", "--batch-chars", "4000")
     wait_for_shards(out, 4, proc)
-    workers = descendants(proc.pid)
-    assert len(workers) >= 2  # the two tokenizer workers (and the fork server)
+    # its group: the fork server and the two tokenizer workers it forked (app/plan/probe.py)
+    workers = [pid for pid in group_pids(proc.pid) if pid != proc.pid]
+    assert len(workers) >= 2
     proc.kill()
     proc.wait()
     assert not (out / MANIFEST).exists() and (out / JOURNAL).exists()

@@ -18,7 +18,9 @@ packet crosses two links, so its one-way delay is twice `--delay` (netem, where 
 has it; without it only --delay 0 works).
 
 Everything made is removed on exit: normal end, failure, Ctrl-C, SIGTERM, SIGHUP. A run killed
-with SIGKILL leaves its namespaces; the next run (or `clean`) removes those whose tool is gone.
+with SIGKILL leaves its namespaces and its directory in the system's temp directory (the nodes'
+TMPDIR: launch.sh's job directories, torchrun's log directories); the next run (or `clean`)
+removes those whose tool is gone.
 Needs root, `ip` and `tc` (iproute2), and `taskset` (util-linux) to pin each node to its cores.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -47,6 +50,7 @@ PREFIX = "nsim"
 IFACE = "sim0"
 BRIDGE = "br0"
 NAME = re.compile(rf"^{PREFIX}(\d+)-(sw|n\d+)$")
+SCRATCH = re.compile(r"^netsim-(\d+)-")  # a cluster's directory in the system's temp directory
 STOP_GRACE_S = 45  # launch.sh's own stop: TERM to its ranks, KILL 30 s later
 
 
@@ -147,13 +151,21 @@ def tool_alive(pid: int) -> bool:
 
 
 def remove_leftovers(everything: bool = False) -> list[str]:
-    """Namespaces of netsim runs that are gone (killed with SIGKILL), or all of netsim's."""
+    """Namespaces of netsim runs that are gone (killed with SIGKILL), or all of netsim's, and
+    those runs' directories (`Cluster.scratch`); the namespaces and directories removed."""
+    def left(m: re.Match | None) -> bool:
+        return bool(m) and int(m.group(1)) != os.getpid() and (
+            everything or not tool_alive(int(m.group(1))))
+
     gone = []
     for ns in namespaces():
-        m = NAME.match(ns)
-        if m and (everything or not tool_alive(int(m.group(1)))) and int(m.group(1)) != os.getpid():
-            remove_namespace(ns)
+        if left(NAME.match(ns)):
+            remove_namespace(ns)  # first: nothing runs in a directory removed below
             gone.append(ns)
+    for path in sorted(Path(tempfile.gettempdir()).glob("netsim-*")):
+        if path.is_dir() and left(SCRATCH.match(path.name)):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(str(path))
     return gone
 
 
@@ -182,6 +194,8 @@ class Cluster:
         # all-reduce buffers of a one-node cluster are named by address and port in the shared
         # /dev/shm: a port of this run's own keeps concurrent runs apart.
         self.port = 20000 + os.getpid() % 40000
+        self.scratch = Path()  # made by __enter__
+
 
     def addr(self, k: int) -> str:
         return f"10.213.{self.subnet}.{k + 1}"
@@ -189,6 +203,10 @@ class Cluster:
     def __enter__(self) -> "Cluster":
         remove_leftovers()
         self.subnet = free_subnet()
+        # The nodes' TMPDIR (run_nodes), named by this tool's pid: what the processes in them
+        # make there (launch.sh's job directory, torchrun's log directories, which it never
+        # removes) goes with the cluster, or with `clean` after a SIGKILL.
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"netsim-{os.getpid()}-"))
         try:
             self.build()
         except BaseException:
@@ -227,6 +245,8 @@ class Cluster:
             for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{self.addr(0)}_"
                                               f"{self.port}_*"):
                 path.unlink(missing_ok=True)  # DeepSpeed never unlinks them
+            if self.scratch.name.startswith("netsim-"):
+                shutil.rmtree(self.scratch, ignore_errors=True)
 
     def qdiscs(self) -> str:
         """`tc qdisc show` of every shaped interface (what the run was shaped with)."""
@@ -365,11 +385,13 @@ def _signal_session(pid: int, sig: int) -> None:
 
 def run_nodes(cluster: Cluster, commands: list[list[str]], envs: list[dict[str, str]],
               cores_per_node: int, timeout: float | None, log: Path | None = None) -> int:
-    """Start one command a node, wait for all; stop them on any exit path."""
+    """Start one command a node (TMPDIR: the cluster's directory), wait for all; stop them on
+    any exit path."""
     procs: list[subprocess.Popen] = []
     sink = open(log, "ab") if log else None
     try:
         for k, (ns, cmd, env) in enumerate(zip(cluster.nodes, commands, envs)):
+            env = {**env, "TMPDIR": str(cluster.scratch)}
             procs.append(start(ns, node_cores(k, cores_per_node), cmd, env, sink))
         return wait_all(procs, timeout)
     finally:
@@ -395,13 +417,12 @@ def run_app(nodes: int, ppn: int, rate: int | None, delay_ms: float, train_args:
             show_qdiscs: bool = False, log: Path | None = None) -> int:
     """`app train` over launch.sh --no-ssh on a fresh cluster; launch.sh's exit status."""
     threads = threads or max(1, cores_per_node // ppn)
-    with stop_signals(), Cluster(nodes, rate, delay_ms) as cluster, \
-            tempfile.TemporaryDirectory(prefix="netsim-") as tmp:
+    with stop_signals(), Cluster(nodes, rate, delay_ms) as cluster:
         say(f"{nodes} node(s) x {ppn} rank(s), links {rate_text(rate)} / {delay_ms:g} ms, "
             f"{cores_per_node} core(s) a node, {threads} thread(s) a rank")
         if show_qdiscs:
             print(cluster.qdiscs(), end="", flush=True)
-        commands = launch_commands(cluster, ppn, train_args, Path(tmp) / "hostfile")
+        commands = launch_commands(cluster, ppn, train_args, cluster.scratch / "hostfile")
         envs = [node_env(threads) for _ in commands]
         return run_nodes(cluster, commands, envs, cores_per_node, timeout, log)
 
@@ -1014,7 +1035,11 @@ def cmd_ddp(args: argparse.Namespace) -> int:
 
 def cmd_clean(args: argparse.Namespace) -> int:
     gone = remove_leftovers(everything=args.all)
-    say(f"removed {len(gone)} namespace(s){': ' + ', '.join(gone) if gone else ''}")
+    spaces = [g for g in gone if NAME.match(g)]
+    dirs = [g for g in gone if not NAME.match(g)]
+    say(f"removed {len(spaces)} namespace(s){': ' + ', '.join(spaces) if spaces else ''}"
+        f" and {len(dirs)} director{'y' if len(dirs) == 1 else 'ies'}"
+        f"{': ' + ', '.join(dirs) if dirs else ''}")
     return 0
 
 
@@ -1057,7 +1082,8 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--sizes-mb", default="0.25,1.15,4.6,9.2",
                    help="whole-tensor sizes, MB (default 0.25,1.15,4.6,9.2)")
     k.add_argument("--repeats", type=int, default=5, help="timed calls a size (default 5)")
-    c = sub.add_parser("clean", help="remove namespaces of netsim runs that were killed")
+    c = sub.add_parser("clean", help="remove the namespaces and directories of netsim runs that "
+                                      "were killed")
     c.add_argument("--all", action="store_true",
                    help="also those of runs still going (stops them)")
     return p

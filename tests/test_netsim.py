@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -281,6 +282,9 @@ def test_the_links_are_shaped_to_the_rate(mlm_dataset, tmp_path):
     """One gloo all-reduce between 2 nodes sends its bytes over the link once each way: at
     20 Mbit/s it cannot take less than bytes x 8 / rate (a box under load only slows it)."""
     out = tmp_path / "ar.json"
+    # torchrun makes a log directory it never removes (torchelastic_*): in the nodes' TMPDIR,
+    # it goes with the cluster (no other test file runs torchrun)
+    elastic = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     args = ("ddp", "--nodes", 2, "--rate", "20mbit", "--", "--data", mlm_dataset, "--model",
             "bert-tiny", "--steps", "4", "--allreduce-only", "--out", out)
     proc = run_netsim(*args)
@@ -293,6 +297,7 @@ def test_the_links_are_shaped_to_the_rate(mlm_dataset, tmp_path):
                       + "\n".join(why_lines(proc.stderr)))
         proc = run_netsim(*args)
     ok(proc)
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) == elastic
     got = json.loads(out.read_text())
     floor_ms = got["bytes"] * 8 / 20e6 * 1000
     assert got["allreduce_ms"] >= 0.9 * floor_ms, (got["allreduce_ms"], floor_ms)
@@ -356,15 +361,25 @@ def _start_long_run(data: Path, run_dir: Path, until_training: bool = True) -> s
     return proc
 
 
+def scratch_of(pid: int) -> list[Path]:
+    """The directories netsim `pid` made in the temp directory (its nodes' TMPDIR)."""
+    return sorted(Path(tempfile.gettempdir()).glob(f"netsim-{pid}-*"))
+
+
 @needs_cluster
 @pytest.mark.slow
 def test_a_stopped_or_killed_tool_leaves_nothing_behind(mlm_dataset, tmp_path):
+    """SIGTERM: the tool removes its namespaces, processes and directory itself. SIGKILL:
+    they stay, and `clean` removes them, the directory with what the nodes made in it."""
     links = host_links()
     stopped = _start_long_run(mlm_dataset, tmp_path / "term")
+    scratch = scratch_of(stopped.pid)
+    assert len(scratch) == 1 and (scratch[0] / "hostfile").is_file(), scratch
     stopped.send_signal(signal.SIGTERM)
     assert stopped.wait(timeout=180) == 143
     assert namespaces_of(stopped.pid) == []
     assert processes_naming(str(tmp_path / "term")) == []
+    assert scratch_of(stopped.pid) == []
 
     # killed once every node's launcher chain has started its rank: what `clean` must find is
     # the same processes in the same namespaces, and the ranks need not import and train first
@@ -373,10 +388,14 @@ def test_a_stopped_or_killed_tool_leaves_nothing_behind(mlm_dataset, tmp_path):
     killed.wait()
     left = namespaces_of(killed.pid)
     assert len(left) == 3  # SIGKILL: nothing could clean up
+    scratch = scratch_of(killed.pid)
+    # the nodes' TMPDIR: each node's launch.sh made its job directory there, not in /tmp
+    assert len(scratch) == 1 and len(list(scratch[0].glob("launch.sh.*"))) == 2, scratch
     cleaned = run_netsim("clean")
     ok(cleaned)
     assert all(ns in cleaned.stderr for ns in left), cleaned.stderr
-    assert namespaces_of(killed.pid) == []
+    assert str(scratch[0]) in cleaned.stderr, cleaned.stderr
+    assert namespaces_of(killed.pid) == [] and scratch_of(killed.pid) == []
     assert processes_naming(str(tmp_path / "kill")) == []
     assert host_links() == links
 

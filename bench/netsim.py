@@ -150,23 +150,21 @@ def tool_alive(pid: int) -> bool:
     return b"netsim" in cmdline
 
 
-def remove_leftovers(everything: bool = False) -> list[str]:
+def remove_leftovers(everything: bool = False) -> tuple[list[str], list[str]]:
     """Namespaces of netsim runs that are gone (killed with SIGKILL), or all of netsim's, and
-    those runs' directories (`Cluster.scratch`); the namespaces and directories removed."""
+    those runs' directories (`Cluster.scratch`): the namespaces and directories removed."""
     def left(m: re.Match | None) -> bool:
         return bool(m) and int(m.group(1)) != os.getpid() and (
             everything or not tool_alive(int(m.group(1))))
 
-    gone = []
-    for ns in namespaces():
-        if left(NAME.match(ns)):
-            remove_namespace(ns)  # first: nothing runs in a directory removed below
-            gone.append(ns)
-    for path in sorted(Path(tempfile.gettempdir()).glob("netsim-*")):
-        if path.is_dir() and left(SCRATCH.match(path.name)):
-            shutil.rmtree(path, ignore_errors=True)
-            gone.append(str(path))
-    return gone
+    spaces = [ns for ns in namespaces() if left(NAME.match(ns))]
+    for ns in spaces:
+        remove_namespace(ns)  # first: nothing runs in a directory removed below
+    dirs = [str(p) for p in sorted(Path(tempfile.gettempdir()).glob("netsim-*"))
+            if p.is_dir() and left(SCRATCH.match(p.name))]
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
+    return spaces, dirs
 
 
 # -- the cluster ---------------------------------------------------------------------------------
@@ -195,7 +193,6 @@ class Cluster:
         # /dev/shm: a port of this run's own keeps concurrent runs apart.
         self.port = 20000 + os.getpid() % 40000
         self.scratch = Path()  # made by __enter__
-
 
     def addr(self, k: int) -> str:
         return f"10.213.{self.subnet}.{k + 1}"
@@ -1034,9 +1031,7 @@ def cmd_ddp(args: argparse.Namespace) -> int:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    gone = remove_leftovers(everything=args.all)
-    spaces = [g for g in gone if NAME.match(g)]
-    dirs = [g for g in gone if not NAME.match(g)]
+    spaces, dirs = remove_leftovers(everything=args.all)
     say(f"removed {len(spaces)} namespace(s){': ' + ', '.join(spaces) if spaces else ''}"
         f" and {len(dirs)} director{'y' if len(dirs) == 1 else 'ies'}"
         f"{': ' + ', '.join(dirs) if dirs else ''}")
